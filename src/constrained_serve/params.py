@@ -1,0 +1,68 @@
+"""Sampling parameters and output specifications (what the output must look like)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+OutputKind = Literal["json_schema", "json_object", "regex", "lark", "ebnf", "choices"]
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction.
+
+    ``seed`` makes a request's sampled output reproducible whatever else shares its batch.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0.0 <= self.min_p < 1.0):
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """A normalized output constraint, built by ``grammar.spec.make_output_spec``.
+
+    ``text`` is canonical (sorted-key JSON for schemas) so it can key the compile cache.
+    ``python_type`` is the Pydantic model / type to parse into, when the user gave one.
+    """
+
+    kind: OutputKind
+    text: str
+    python_type: Any = field(default=None, compare=False, hash=False)
+    whitespace: bool = False  # allow free whitespace / indentation in JSON
+    strict: bool = True  # refuse schema features a backend would silently approximate
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
