@@ -66,9 +66,10 @@ PageKey = tuple[int, ...]
 class Node:
     tokens: tuple[int, ...]
     pages: tuple[int, ...]
-    parent: Node | None
+    # repr=False: the default repr would print the whole tree through parent/children.
+    parent: Node | None = field(repr=False)
     id: int
-    children: dict[PageKey, Node] = field(default_factory=dict)
+    children: dict[PageKey, Node] = field(default_factory=dict, repr=False)
     lock_ref: int = 0
     last_access: int = 0
 
