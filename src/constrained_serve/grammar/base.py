@@ -40,6 +40,8 @@ class CompiledGrammar:
 class GrammarMatcher(abc.ABC):
     """Per-request grammar state. Not thread-safe: one request, one matcher."""
 
+    backend_name: str = "abstract"  # the GrammarBackend.name that made it
+
     @abc.abstractmethod
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         """Advance by ``tokens``. False if any is rejected; the state is then unchanged."""

@@ -27,6 +27,7 @@ __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
 
 
 class LLGuidanceMatcher(GrammarMatcher):
+    backend_name = "llguidance"
     __slots__ = ("_m", "_width", "_eos")
 
     def __init__(self, matcher: LLMatcher, width: int, eos: frozenset[int]):

@@ -148,11 +148,10 @@ class GrammarManager:
 
     def fill_bitmask(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
         """Fill only the given rows; other rows keep their contents (e.g. -1 for free rows)."""
-        by_backend: dict[type, list[tuple[int, GrammarMatcher]]] = {}
+        by_backend: dict[str, list[tuple[int, GrammarMatcher]]] = {}
         for row, m in rows_and_matchers:
-            by_backend.setdefault(type(m), []).append((row, m))
-        for group in by_backend.values():
-            name = "xgrammar" if type(group[0][1]).__name__.startswith("XGrammar") else "llguidance"
+            by_backend.setdefault(m.backend_name, []).append((row, m))
+        for name, group in by_backend.items():
             self.backend(name).fill_bitmasks(group, bitmask)
 
     def close(self) -> None:

@@ -88,6 +88,7 @@ def unsupported_schema_features(schema: Any, path: str = "#") -> list[str]:
 
 
 class XGrammarMatcher(GrammarMatcher):
+    backend_name = "xgrammar"
     __slots__ = ("_m", "_backend")
 
     def __init__(self, matcher: xgr.GrammarMatcher, backend: "XGrammarBackend"):
@@ -153,14 +154,18 @@ class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None,
-                 num_threads: int = 2):
+                 num_threads: int = 2, lazy_masks: bool = True):
         super().__init__(tokenizer, vocab_size, eos_token_ids)
         self.width = bitmask_width(self.vocab_size)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids)
         # The manager keeps its own LRU cache; xgrammar's would grow without bound.
+        # lazy_masks: build each parser state's token-mask cache on first use instead of
+        # precomputing all of them at compile time. Eager compilation of large real-world
+        # schemas takes many seconds (beyond the 10 s compile bound on a busy 2-core box);
+        # lazily, compile is milliseconds and the first mask of a new state pays instead.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max(1, num_threads),
-                                             cache_enabled=False)
+                                             cache_enabled=False, enable_dynamic_compilation=lazy_masks)
         self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, num_threads))
         self._eos_row = torch.zeros(self.width, dtype=torch.int32)
         for t in self.eos_token_ids:
