@@ -58,6 +58,14 @@ def unsupported_schema_features(schema: Any, path: str = "#") -> list[str]:
         types = [b.get("type") if isinstance(b, dict) else None for b in one_of]
         if not all(isinstance(t, str) for t in types) or len(set(types)) != len(types):
             found.append(f"{path}/oneOf (treated as anyOf)")
+    # Combinations xgrammar 0.2.9 logs as "ignoring ..." (to stderr, which we cannot read).
+    if "multipleOf" in schema:
+        if schema.get("type") != "integer":
+            found.append(f"{path}/multipleOf (only enforced for integers)")
+        elif {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & schema.keys():
+            found.append(f"{path}/multipleOf (ignored together with a range)")
+    if ("format" in schema or "pattern" in schema) and ({"minLength", "maxLength"} & schema.keys()):
+        found.append(f"{path}/minLength/maxLength (ignored with format or pattern)")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         found.append(f"{path}/$ref {ref!r} (not local)")
