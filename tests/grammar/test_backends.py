@@ -71,8 +71,13 @@ def test_accepts_valid_rejects_invalid(manager, backend, tokenizer, case):
     for text in good:
         ok, m = run(manager, backend, tokenizer, kwargs, text)
         assert ok, f"{backend} rejected valid {text!r}"
-        assert m.accept_tokens([EOS]) and m.is_finished()
+        assert m.accept_tokens([EOS]) and m.is_finished() and not m.can_end()
         assert not m.accept_tokens(encode(tokenizer, "x"))  # nothing after EOS
+        bm = manager.allocate_bitmask(1)
+        manager.fill_bitmask([(0, m)], bm)
+        assert allowed(bm, 0) == {EOS}  # finished rows allow EOS only (never an all-masked row)
+        m.rollback(1)  # undo EOS only
+        assert m.can_end() and m.accept_tokens([EOS]) and m.is_finished()
     for text in bad:
         ok, _ = run(manager, backend, tokenizer, kwargs, text)
         assert not ok, f"{backend} accepted invalid {text!r}"
