@@ -176,6 +176,17 @@ def test_cache_hit_does_not_recompile(manager, backend):
     assert manager.compile(make_output_spec(schema=spec.text, json_whitespace=True), backend) is not first
 
 
+def test_concurrent_compiles_of_one_spec_share_work(tokenizer):
+    mgr = GrammarManager(tokenizer, MODEL_VOCAB, max_workers=2)
+    try:
+        spec = make_output_spec(schema={"type": "array", "items": PERSON, "maxItems": 3})
+        futures = [mgr.compile_async(spec) for _ in range(4)]
+        results = {id(f.result(timeout=30)) for f in futures}
+        assert len(results) == 1 and mgr.stats["compiles"] == 1
+    finally:
+        mgr.close()
+
+
 @pytest.mark.parametrize("kwargs", [
     {"schema": {"$ref": "#/$defs/missing"}},
     {"schema": {"type": "string", "pattern": "(?=a)b"}},
