@@ -126,8 +126,10 @@ class LLGuidanceBackend(GrammarBackend):
         """The llguidance grammar (JSON) for ``spec``; raises GrammarError on conversion errors."""
         if spec.is_json:
             options = {"whitespace_flexible": spec.whitespace,
-                       # lenient ignores unimplemented keywords (with a warning) instead of failing
-                       "lenient": not spec.strict}
+                       # lenient ignores unimplemented keywords (with a warning) instead of failing;
+                       # coerce_one_of approximates oneOf by anyOf where branches may overlap.
+                       "lenient": not spec.strict,
+                       "coerce_one_of": not spec.strict}
             if not spec.whitespace:
                 options.update(item_separator=",", key_separator=":")
             try:
@@ -155,6 +157,9 @@ class LLGuidanceBackend(GrammarBackend):
         if template.is_error():
             raise self._error(spec, template.get_error())
         warnings = list(template.get_grammar_warnings())
+        if spec.is_json and not spec.strict and '"oneOf"' in spec.text:
+            # llguidance coerces silently; say so, as for every other approximation
+            warnings.append("oneOf may be approximated by anyOf (coerce_one_of)")
         if warnings:
             if spec.strict:
                 # The engine would accept the grammar but silently approximate part of it.
