@@ -49,10 +49,10 @@ class LLGuidanceMatcher(GrammarMatcher):
             return True
         if self._m.is_error():
             return False
-        # try_consume_tokens stops at the first rejected token without entering the error
-        # state; undo the accepted prefix so a rejection leaves the state unchanged.
         if self._ended:
             return False  # nothing follows EOS
+        # try_consume_tokens stops at the first rejected token without entering the error
+        # state; undo the accepted prefix so a rejection leaves the state unchanged.
         n = self._m.try_consume_tokens(tokens)
         uncounted = False
         if n == len(tokens) - 1 and tokens[-1] in self._eos and self._m.is_stopped():

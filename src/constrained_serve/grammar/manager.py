@@ -2,7 +2,17 @@
 
 Compilation runs on a small thread pool so the scheduler never waits for it; each compile
 runs in its own daemon thread joined with a timeout, because neither engine can be
-interrupted: a runaway compile is abandoned (and logged), never waited for.
+interrupted: a runaway compile is abandoned (and logged), never waited for; its thread
+keeps its CPU until the engine returns, which is the price of never blocking a request.
+
+Typical engine use::
+
+    gm = GrammarManager(tokenizer, vocab_size=model_logits_width)
+    fut = gm.compile_async(spec)                 # at submit; GrammarError via fut.result()
+    matcher = gm.new_matcher(fut.result())       # when the request is scheduled
+    bitmask = gm.allocate_bitmask(max_batch)     # once; rows without a grammar stay -1
+    gm.fill_bitmask([(row, matcher), ...], bitmask)   # each step, while the forward runs
+    matcher.accept_tokens([sampled]); matcher.forced_tokens(); matcher.is_finished()
 """
 from __future__ import annotations
 
