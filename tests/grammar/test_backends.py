@@ -230,6 +230,16 @@ def test_compile_timeout_is_bounded(tokenizer, backend):
         mgr.close()
 
 
+def test_xgrammar_eager_masks_option(tokenizer):
+    mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend="xgrammar", max_workers=1,
+                         backend_options={"xgrammar": {"lazy_masks": False}})
+    try:
+        m = mgr.new_matcher(mgr.compile(make_output_spec(schema=PERSON)))
+        assert m.accept_tokens(encode(tokenizer, '{"name":"a","age":1}')) and m.can_end()
+    finally:
+        mgr.close()
+
+
 def test_unknown_backend(manager):
     with pytest.raises(GrammarError, match="unknown grammar backend"):
         manager.compile(make_output_spec(regex="a"), "outlines")
