@@ -70,3 +70,224 @@ def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature
     noise = _exponential_noise(seeds.tolist(), V, probs.device)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temperature == 0, greedy_tokens, sampled)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels. Imported lazily so the package (and the CPU path) works without triton.
+#
+# The fused sampler never sorts the vocabulary. top-k, top-p and min-p each keep exactly the
+# tokens whose logit is >= some threshold, so the kept set is {logit >= max(thresholds)}:
+#   min-p: closed form from the row max;
+#   top-k / top-p: a radix select on the order-preserving integer key of the fp32 logit,
+#   4 bits per pass (8 passes), counting tokens / summing probability mass above 16
+#   candidate thresholds at once.
+# The draw is Gumbel-max: argmax(logit / T + G) with G = -log(-log(U)), U = tl.rand(seed, tok),
+# i.e. the same law as the reference's argmax(p / E), E ~ Exp(1).
+# Passes over the vocab per row: 1 (greedy or plain sampling, min-p needs 2), 10 with top-k/p.
+# Ties exactly at a top-k/top-p threshold are all kept (the sort-based reference keeps an
+# arbitrary subset of them); the noise stream differs from the reference's torch generator,
+# so the two agree in distribution, not draw for draw.
+# --------------------------------------------------------------------------------------------
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _masked_row(lrow_ptr, brow_ptr, offs, V, HAS_MASK: tl.constexpr):
+        """fp32 logits of one block with -inf where the bitmask bit is 0 (or past the vocab)."""
+        in_v = offs < V
+        x = tl.load(lrow_ptr + offs, mask=in_v, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            words = tl.load(brow_ptr + offs // 32, mask=in_v, other=0)
+            ok = ((words >> (offs % 32)) & 1) != 0
+            x = tl.where(ok & in_v, x, float("-inf"))
+        return x
+
+    @triton.jit
+    def _gumbel(seed, offs):
+        u = tl.rand(seed, offs)
+        # Keep -log(u) finite and > 0: u = 0 and u rounding to 1.0 are both possible in fp32.
+        u = tl.minimum(tl.maximum(u, 1.0e-20), 0.99999988)
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _order_key(x):
+        """fp32 -> int64 in [0, 2^32) with the same order as the floats."""
+        bits = x.to(tl.int32, bitcast=True)
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+
+    @triton.jit
+    def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, V, stride_l, stride_b,
+                              BLOCK_V: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        in_v = offs < V
+        words = tl.load(bitmask_ptr + row * stride_b + offs // 32, mask=in_v, other=-1)
+        banned = (((words >> (offs % 32)) & 1) == 0) & in_v
+        # Only banned tokens are written: an all-ones row costs no stores.
+        tl.store(logits_ptr + row * stride_l + offs,
+                 tl.full([BLOCK_V], float("-inf"), logits_ptr.dtype.element_ty), mask=banned)
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, bitmask_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                       seeds_ptr, out_ptr, V, stride_l, stride_b,
+                       HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK_V: tl.constexpr,
+                       SEARCH_BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        lrow = logits_ptr + row * stride_l
+        brow = bitmask_ptr + row * stride_b
+        arange = tl.arange(0, BLOCK_V)
+
+        # Pass 1: masked max / argmax (greedy) and, when sampling, the softmax normalizer and
+        # the unfiltered Gumbel argmax (the answer when no top-k/top-p/min-p applies).
+        best = tl.full([], float("-inf"), tl.float32)
+        best_idx = tl.zeros([], tl.int32)
+        if ALL_GREEDY:
+            for start in range(0, V, BLOCK_V):
+                x = _masked_row(lrow, brow, start + arange, V, HAS_MASK)
+                bmax = tl.max(x, 0)
+                bidx = tl.argmax(x, 0).to(tl.int32)
+                best_idx = tl.where(bmax > best, start + bidx, best_idx)
+                best = tl.maximum(best, bmax)
+            tl.store(out_ptr + row, best_idx.to(tl.int64))
+        else:
+            temp = tl.load(temp_ptr + row).to(tl.float32)
+            inv_t = 1.0 / tl.maximum(temp, 1.0e-6)
+            seed = tl.load(seeds_ptr + row)
+            z = tl.zeros([], tl.float32)
+            g_best = tl.full([], float("-inf"), tl.float32)
+            g_idx = tl.zeros([], tl.int32)
+            for start in range(0, V, BLOCK_V):
+                offs = start + arange
+                x = _masked_row(lrow, brow, offs, V, HAS_MASK)
+                bmax = tl.max(x, 0)
+                bidx = tl.argmax(x, 0).to(tl.int32)
+                best_idx = tl.where(bmax > best, start + bidx, best_idx)
+                new_m = tl.maximum(best, bmax)
+                m_safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+                z = z * tl.exp((best - m_safe) * inv_t) + tl.sum(tl.exp((x - m_safe) * inv_t), 0)
+                best = new_m
+                score = tl.where(x > float("-inf"), x * inv_t + _gumbel(seed, offs), float("-inf"))
+                smax = tl.max(score, 0)
+                sidx = tl.argmax(score, 0).to(tl.int32)
+                g_idx = tl.where(smax > g_best, start + sidx, g_idx)
+                g_best = tl.maximum(g_best, smax)
+
+            top_k = tl.load(top_k_ptr + row).to(tl.int32)
+            top_p = tl.load(top_p_ptr + row).to(tl.float32)
+            min_p = tl.load(min_p_ptr + row).to(tl.float32)
+            sampling = temp > 0
+            use_k = (top_k > 0) & (top_k < V)
+            use_p = top_p < 1.0
+            use_min = min_p > 0.0
+            # Disabled searches are given unreachable targets, so their threshold stays at 0.
+            k_eff = tl.where(use_k, top_k, V + 1)
+            mass_target = tl.where(use_p, top_p * z, float("inf"))
+            best_safe = tl.where(best == float("-inf"), 0.0, best)
+            thr_k = tl.zeros([], tl.int64)
+            thr_p = tl.zeros([], tl.int64)
+            if sampling & (use_k | use_p):
+                s_arange = tl.arange(0, SEARCH_BLOCK)
+                digits = tl.arange(0, 16).to(tl.int64)
+                for i in tl.static_range(8):
+                    shift: tl.constexpr = 28 - 4 * i
+                    cand_k = thr_k + (digits << shift)
+                    cand_p = thr_p + (digits << shift)
+                    cnt = tl.zeros([16], tl.int32)
+                    mass = tl.zeros([16], tl.float32)
+                    for start in range(0, V, SEARCH_BLOCK):
+                        x = _masked_row(lrow, brow, start + s_arange, V, HAS_MASK)
+                        ok = x > float("-inf")
+                        key = _order_key(x)
+                        e = tl.exp((x - best_safe) * inv_t)
+                        cnt += tl.sum(((key[:, None] >= cand_k[None, :]) & ok[:, None]).to(tl.int32), 0)
+                        mass += tl.sum(tl.where(key[:, None] >= cand_p[None, :], e[:, None], 0.0), 0)
+                    # Counts / masses fall as the candidate rises: take the last one still on target.
+                    jk = tl.maximum(tl.sum((cnt >= k_eff).to(tl.int32), 0) - 1, 0)
+                    jp = tl.maximum(tl.sum((mass >= mass_target).to(tl.int32), 0) - 1, 0)
+                    thr_k = thr_k + (jk.to(tl.int64) << shift)
+                    thr_p = thr_p + (jp.to(tl.int64) << shift)
+            if sampling & (use_k | use_p | use_min):
+                thr = tl.maximum(thr_k, thr_p)
+                log_min_p = tl.where(use_min, tl.log(tl.maximum(min_p, 1.0e-30)), float("-inf"))
+                g_best = tl.full([], float("-inf"), tl.float32)
+                g_idx = best_idx
+                for start in range(0, V, BLOCK_V):
+                    offs = start + arange
+                    x = _masked_row(lrow, brow, offs, V, HAS_MASK)
+                    keep = (x > float("-inf")) & (_order_key(x) >= thr)
+                    keep = keep & ((x - best_safe) * inv_t >= log_min_p)
+                    score = tl.where(keep, x * inv_t + _gumbel(seed, offs), float("-inf"))
+                    smax = tl.max(score, 0)
+                    sidx = tl.argmax(score, 0).to(tl.int32)
+                    g_idx = tl.where(smax > g_best, start + sidx, g_idx)
+                    g_best = tl.maximum(g_best, smax)
+            tl.store(out_ptr + row, tl.where(sampling, g_idx, best_idx).to(tl.int64))
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed: use the torch reference kernels "
+                           "(CONSTRAINED_SERVE_KERNELS=torch) or `pip install triton`")
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, *,
+                         block_v: int = 1024) -> torch.Tensor:
+    """Triton version of :func:`apply_bitmask_torch` (in place, returns logits)."""
+    _require_triton()
+    R, V = logits.shape
+    assert bitmask.shape[0] == R and bitmask.shape[1] * 32 >= V, "bitmask must be [R, ceil(V/32)]"
+    assert logits.stride(-1) == 1 and bitmask.stride(-1) == 1
+    if R == 0:
+        return logits
+    _apply_bitmask_kernel[(R, triton.cdiv(V, block_v))](
+        logits, bitmask, V, logits.stride(0), bitmask.stride(0), BLOCK_V=block_v)
+    return logits
+
+
+def sample_triton(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  seeds: torch.Tensor, *, all_greedy: bool = False, block_v: int | None = None,
+                  search_block: int | None = None, num_warps: int = 8) -> torch.Tensor:
+    """Fused Triton version of :func:`sample_torch`: one program per row, no host sync.
+
+    Same arguments and result (int64 [R]); logits are read, never written.
+    """
+    _require_triton()
+    R, V = logits.shape
+    assert logits.stride(-1) == 1
+    out = torch.empty(R, dtype=torch.int64, device=logits.device)
+    if R == 0:
+        return out
+    has_mask = bitmask is not None
+    if has_mask:
+        assert bitmask.shape[0] == R and bitmask.shape[1] * 32 >= V, "bitmask must be [R, ceil(V/32)]"
+        assert bitmask.stride(-1) == 1
+    interp = _interpreting()
+    if block_v is None:
+        block_v = min(1024 if not interp else 256, max(16, 1 << (V - 1).bit_length()))
+    if search_block is None:
+        # The search holds [block, 16] tiles: a smaller block keeps them in registers.
+        search_block = min(256 if not interp else 128, block_v)
+    bm = bitmask if has_mask else logits
+    _sample_kernel[(R,)](
+        logits, bm, temperature, top_k, top_p, min_p, seeds, out, V, logits.stride(0),
+        bm.stride(0) if has_mask else 0,
+        HAS_MASK=has_mask, ALL_GREEDY=bool(all_greedy), BLOCK_V=block_v,
+        SEARCH_BLOCK=search_block, num_warps=num_warps)
+    return out
