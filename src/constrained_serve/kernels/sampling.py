@@ -102,19 +102,24 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 if HAS_TRITON:
 
     @triton.jit
-    def _masked_row(lrow_ptr, brow_ptr, offs, V, HAS_MASK: tl.constexpr):
-        """fp32 logits of one block with -inf where the bitmask bit is 0 (or past the vocab)."""
-        in_v = offs < V
-        x = tl.load(lrow_ptr + offs, mask=in_v, other=float("-inf")).to(tl.float32)
+    def _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, offs, V, stride_l, stride_b,
+                     HAS_MASK: tl.constexpr):
+        """fp32 logits [rows, block] with -inf where the bitmask bit is 0 (or out of range)."""
+        ok = row_ok[:, None] & (offs < V)[None, :]
+        x = tl.load(logits_ptr + rows[:, None] * stride_l + offs[None, :], mask=ok,
+                    other=float("-inf")).to(tl.float32)
         if HAS_MASK:
-            words = tl.load(brow_ptr + offs // 32, mask=in_v, other=0)
-            ok = ((words >> (offs % 32)) & 1) != 0
-            x = tl.where(ok & in_v, x, float("-inf"))
+            words = tl.load(bitmask_ptr + rows[:, None] * stride_b + (offs // 32)[None, :], mask=ok,
+                            other=0)
+            allowed = ((words >> (offs % 32)[None, :]) & 1) != 0
+            x = tl.where(allowed & ok, x, float("-inf"))
         return x
 
     @triton.jit
-    def _gumbel(seed, offs):
-        u = tl.rand(seed, offs)
+    def _gumbel(seed, offs, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Gumbel noise [rows, block] from each row's seed and the token index (batch independent)."""
+        u = tl.rand(tl.broadcast_to(seed[:, None], [BLOCK_R, BLOCK_V]),
+                    tl.broadcast_to(offs[None, :], [BLOCK_R, BLOCK_V]))
         # Keep -log(u) finite and > 0: u = 0 and u rounding to 1.0 are both possible in fp32.
         u = tl.minimum(tl.maximum(u, 1.0e-20), 0.99999988)
         return -tl.log(-tl.log(u))
@@ -124,6 +129,14 @@ if HAS_TRITON:
         """fp32 -> int64 in [0, 2^32) with the same order as the floats."""
         bits = x.to(tl.int32, bitcast=True)
         return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+
+    @triton.jit
+    def _row_argmax(x, start, best, best_idx):
+        """Running (max, first index of max) over column blocks; x is [rows, block]."""
+        bmax = tl.max(x, 1)
+        bidx = tl.argmax(x, 1).to(tl.int32)
+        best_idx = tl.where(bmax > best, start + bidx, best_idx)
+        return tl.maximum(best, bmax), best_idx
 
     @triton.jit
     def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, V, stride_l, stride_b,
@@ -139,99 +152,99 @@ if HAS_TRITON:
 
     @triton.jit
     def _sample_kernel(logits_ptr, bitmask_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                       seeds_ptr, out_ptr, V, stride_l, stride_b,
-                       HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK_V: tl.constexpr,
-                       SEARCH_BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        lrow = logits_ptr + row * stride_l
-        brow = bitmask_ptr + row * stride_b
+                       seeds_ptr, out_ptr, R, V, stride_l, stride_b,
+                       HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+        # BLOCK_R rows per program: 1 on the GPU (a row per program, long vocab loops); the
+        # interpreter runs much faster with many rows per program.
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
         arange = tl.arange(0, BLOCK_V)
+        NEG_INF: tl.constexpr = float("-inf")
 
         # Pass 1: masked max / argmax (greedy) and, when sampling, the softmax normalizer and
         # the unfiltered Gumbel argmax (the answer when no top-k/top-p/min-p applies).
-        best = tl.full([], float("-inf"), tl.float32)
-        best_idx = tl.zeros([], tl.int32)
+        best = tl.full([BLOCK_R], NEG_INF, tl.float32)
+        best_idx = tl.zeros([BLOCK_R], tl.int32)
         if ALL_GREEDY:
             for start in range(0, V, BLOCK_V):
-                x = _masked_row(lrow, brow, start + arange, V, HAS_MASK)
-                bmax = tl.max(x, 0)
-                bidx = tl.argmax(x, 0).to(tl.int32)
-                best_idx = tl.where(bmax > best, start + bidx, best_idx)
-                best = tl.maximum(best, bmax)
-            tl.store(out_ptr + row, best_idx.to(tl.int64))
+                x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, start + arange, V,
+                                 stride_l, stride_b, HAS_MASK)
+                best, best_idx = _row_argmax(x, start, best, best_idx)
+            tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_ok)
         else:
-            temp = tl.load(temp_ptr + row).to(tl.float32)
+            temp = tl.load(temp_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
             inv_t = 1.0 / tl.maximum(temp, 1.0e-6)
-            seed = tl.load(seeds_ptr + row)
-            z = tl.zeros([], tl.float32)
-            g_best = tl.full([], float("-inf"), tl.float32)
-            g_idx = tl.zeros([], tl.int32)
+            seed = tl.load(seeds_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            z = tl.zeros([BLOCK_R], tl.float32)
+            g_best = tl.full([BLOCK_R], NEG_INF, tl.float32)
+            g_idx = tl.zeros([BLOCK_R], tl.int32)
             for start in range(0, V, BLOCK_V):
                 offs = start + arange
-                x = _masked_row(lrow, brow, offs, V, HAS_MASK)
-                bmax = tl.max(x, 0)
-                bidx = tl.argmax(x, 0).to(tl.int32)
-                best_idx = tl.where(bmax > best, start + bidx, best_idx)
-                new_m = tl.maximum(best, bmax)
-                m_safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-                z = z * tl.exp((best - m_safe) * inv_t) + tl.sum(tl.exp((x - m_safe) * inv_t), 0)
-                best = new_m
-                score = tl.where(x > float("-inf"), x * inv_t + _gumbel(seed, offs), float("-inf"))
-                smax = tl.max(score, 0)
-                sidx = tl.argmax(score, 0).to(tl.int32)
-                g_idx = tl.where(smax > g_best, start + sidx, g_idx)
-                g_best = tl.maximum(g_best, smax)
+                x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, offs, V, stride_l, stride_b,
+                                 HAS_MASK)
+                old = best
+                best, best_idx = _row_argmax(x, start, best, best_idx)
+                m_safe = tl.where(best == NEG_INF, 0.0, best)
+                z = z * tl.exp((old - m_safe) * inv_t) \
+                    + tl.sum(tl.exp((x - m_safe[:, None]) * inv_t[:, None]), 1)
+                score = tl.where(x > NEG_INF, x * inv_t[:, None]
+                                 + _gumbel(seed, offs, BLOCK_R, BLOCK_V), NEG_INF)
+                g_best, g_idx = _row_argmax(score, start, g_best, g_idx)
 
-            top_k = tl.load(top_k_ptr + row).to(tl.int32)
-            top_p = tl.load(top_p_ptr + row).to(tl.float32)
-            min_p = tl.load(min_p_ptr + row).to(tl.float32)
+            top_k = tl.load(top_k_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+            top_p = tl.load(top_p_ptr + rows, mask=row_ok, other=1.0).to(tl.float32)
+            min_p = tl.load(min_p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
             sampling = temp > 0
             use_k = (top_k > 0) & (top_k < V)
             use_p = top_p < 1.0
             use_min = min_p > 0.0
-            # Disabled searches are given unreachable targets, so their threshold stays at 0.
+            # Disabled searches get unreachable targets, so their threshold stays at 0 (keep all).
             k_eff = tl.where(use_k, top_k, V + 1)
             mass_target = tl.where(use_p, top_p * z, float("inf"))
-            best_safe = tl.where(best == float("-inf"), 0.0, best)
-            thr_k = tl.zeros([], tl.int64)
-            thr_p = tl.zeros([], tl.int64)
-            if sampling & (use_k | use_p):
+            best_safe = tl.where(best == NEG_INF, 0.0, best)
+            thr_k = tl.zeros([BLOCK_R], tl.int64)
+            thr_p = tl.zeros([BLOCK_R], tl.int64)
+            need_search = sampling & (use_k | use_p)
+            if tl.max(need_search.to(tl.int32), 0) > 0:
                 s_arange = tl.arange(0, SEARCH_BLOCK)
                 digits = tl.arange(0, 16).to(tl.int64)
                 for i in tl.static_range(8):
                     shift: tl.constexpr = 28 - 4 * i
-                    cand_k = thr_k + (digits << shift)
-                    cand_p = thr_p + (digits << shift)
-                    cnt = tl.zeros([16], tl.int32)
-                    mass = tl.zeros([16], tl.float32)
+                    cand_k = thr_k[:, None] + (digits << shift)[None, :]  # [R, 16]
+                    cand_p = thr_p[:, None] + (digits << shift)[None, :]
+                    cnt = tl.zeros([BLOCK_R, 16], tl.int32)
+                    mass = tl.zeros([BLOCK_R, 16], tl.float32)
                     for start in range(0, V, SEARCH_BLOCK):
-                        x = _masked_row(lrow, brow, start + s_arange, V, HAS_MASK)
-                        ok = x > float("-inf")
-                        key = _order_key(x)
-                        e = tl.exp((x - best_safe) * inv_t)
-                        cnt += tl.sum(((key[:, None] >= cand_k[None, :]) & ok[:, None]).to(tl.int32), 0)
-                        mass += tl.sum(tl.where(key[:, None] >= cand_p[None, :], e[:, None], 0.0), 0)
-                    # Counts / masses fall as the candidate rises: take the last one still on target.
-                    jk = tl.maximum(tl.sum((cnt >= k_eff).to(tl.int32), 0) - 1, 0)
-                    jp = tl.maximum(tl.sum((mass >= mass_target).to(tl.int32), 0) - 1, 0)
+                        x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, start + s_arange, V,
+                                         stride_l, stride_b, HAS_MASK)
+                        ok = x > NEG_INF
+                        key = _order_key(x)[:, :, None]
+                        e = tl.exp((x - best_safe[:, None]) * inv_t[:, None])
+                        cnt += tl.sum(((key >= cand_k[:, None, :]) & ok[:, :, None]).to(tl.int32), 1)
+                        mass += tl.sum(tl.where(key >= cand_p[:, None, :], e[:, :, None], 0.0), 1)
+                    # Counts / masses fall as the candidate rises: keep the last one on target.
+                    jk = tl.maximum(tl.sum((cnt >= k_eff[:, None]).to(tl.int32), 1) - 1, 0)
+                    jp = tl.maximum(tl.sum((mass >= mass_target[:, None]).to(tl.int32), 1) - 1, 0)
                     thr_k = thr_k + (jk.to(tl.int64) << shift)
                     thr_p = thr_p + (jp.to(tl.int64) << shift)
-            if sampling & (use_k | use_p | use_min):
+            need_filter = sampling & (use_k | use_p | use_min)
+            if tl.max(need_filter.to(tl.int32), 0) > 0:
                 thr = tl.maximum(thr_k, thr_p)
-                log_min_p = tl.where(use_min, tl.log(tl.maximum(min_p, 1.0e-30)), float("-inf"))
-                g_best = tl.full([], float("-inf"), tl.float32)
-                g_idx = best_idx
+                log_min_p = tl.where(use_min, tl.log(tl.maximum(min_p, 1.0e-30)), NEG_INF)
+                f_best = tl.full([BLOCK_R], NEG_INF, tl.float32)
+                f_idx = tl.zeros([BLOCK_R], tl.int32)
                 for start in range(0, V, BLOCK_V):
                     offs = start + arange
-                    x = _masked_row(lrow, brow, offs, V, HAS_MASK)
-                    keep = (x > float("-inf")) & (_order_key(x) >= thr)
-                    keep = keep & ((x - best_safe) * inv_t >= log_min_p)
-                    score = tl.where(keep, x * inv_t + _gumbel(seed, offs), float("-inf"))
-                    smax = tl.max(score, 0)
-                    sidx = tl.argmax(score, 0).to(tl.int32)
-                    g_idx = tl.where(smax > g_best, start + sidx, g_idx)
-                    g_best = tl.maximum(g_best, smax)
-            tl.store(out_ptr + row, tl.where(sampling, g_idx, best_idx).to(tl.int64))
+                    x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, offs, V, stride_l,
+                                     stride_b, HAS_MASK)
+                    keep = (x > NEG_INF) & (_order_key(x) >= thr[:, None])
+                    keep = keep & ((x - best_safe[:, None]) * inv_t[:, None] >= log_min_p[:, None])
+                    score = tl.where(keep, x * inv_t[:, None]
+                                     + _gumbel(seed, offs, BLOCK_R, BLOCK_V), NEG_INF)
+                    f_best, f_idx = _row_argmax(score, start, f_best, f_idx)
+                g_idx = tl.where(need_filter & (f_best > NEG_INF), f_idx, g_idx)
+            tl.store(out_ptr + rows, tl.where(sampling, g_idx, best_idx).to(tl.int64), mask=row_ok)
 
 
 def _require_triton() -> None:
@@ -263,7 +276,8 @@ def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, *,
 def sample_triton(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                   seeds: torch.Tensor, *, all_greedy: bool = False, block_v: int | None = None,
-                  search_block: int | None = None, num_warps: int = 8) -> torch.Tensor:
+                  search_block: int | None = None, rows_per_program: int | None = None,
+                  num_warps: int = 8) -> torch.Tensor:
     """Fused Triton version of :func:`sample_torch`: one program per row, no host sync.
 
     Same arguments and result (int64 [R]); logits are read, never written.
@@ -284,10 +298,12 @@ def sample_triton(logits: torch.Tensor, bitmask: torch.Tensor | None, temperatur
     if search_block is None:
         # The search holds [block, 16] tiles: a smaller block keeps them in registers.
         search_block = min(256 if not interp else 128, block_v)
+    if rows_per_program is None:
+        rows_per_program = 1 if not interp else min(64, 1 << (R - 1).bit_length())
     bm = bitmask if has_mask else logits
-    _sample_kernel[(R,)](
-        logits, bm, temperature, top_k, top_p, min_p, seeds, out, V, logits.stride(0),
+    _sample_kernel[(triton.cdiv(R, rows_per_program),)](
+        logits, bm, temperature, top_k, top_p, min_p, seeds, out, R, V, logits.stride(0),
         bm.stride(0) if has_mask else 0,
-        HAS_MASK=has_mask, ALL_GREEDY=bool(all_greedy), BLOCK_V=block_v,
+        HAS_MASK=has_mask, ALL_GREEDY=bool(all_greedy), BLOCK_R=rows_per_program, BLOCK_V=block_v,
         SEARCH_BLOCK=search_block, num_warps=num_warps)
     return out
