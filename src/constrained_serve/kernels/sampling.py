@@ -210,7 +210,7 @@ if HAS_TRITON:
                 s_arange = tl.arange(0, SEARCH_BLOCK)
                 digits = tl.arange(0, 16).to(tl.int64)
                 for i in tl.static_range(8):
-                    shift: tl.constexpr = 28 - 4 * i
+                    shift = 28 - 4 * i
                     cand_k = thr_k[:, None] + (digits << shift)[None, :]  # [R, 16]
                     cand_p = thr_p[:, None] + (digits << shift)[None, :]
                     cnt = tl.zeros([BLOCK_R, 16], tl.int32)
