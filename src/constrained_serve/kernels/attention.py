@@ -65,7 +65,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         # All decode rows at once: gather their pages padded to the longest, mask the tail.
         max_len = max(meta.seq_lens_host[:nd])
         npages = -(-max_len // page_size)
-        pages = meta.block_tables[:nd, :npages]
+        # Table entries past a sequence's last page may be padding (-1): any valid id will do,
+        # those keys are masked out below.
+        pages = meta.block_tables[:nd, :npages].clamp_min(0)
         k = k_cache.index_select(0, pages.reshape(-1)).view(nd, npages * page_size, hkv, d)
         v = v_cache.index_select(0, pages.reshape(-1)).view(nd, npages * page_size, hkv, d)
         qd = q[:nd].view(nd, hkv, group, d).float()

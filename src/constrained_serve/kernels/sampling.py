@@ -33,7 +33,8 @@ def _exponential_noise(seeds: list[int], vocab: int, device: torch.device) -> to
         g = torch.Generator(device=device)
         g.manual_seed(s & 0x7FFF_FFFF_FFFF_FFFF)
         noise[r].exponential_(generator=g)
-    return noise
+    # Exp(1) can come out as exactly 0; p / 0 would then pick even a zero-probability token.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
 def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
@@ -44,7 +45,8 @@ def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature
     Greedy where temperature == 0. Otherwise logits / T, then top-k, top-p, min-p filtering,
     then a Gumbel-max style draw: argmax(p / E) with E ~ Exp(1) is a draw from p.
     """
-    logits = logits.float()
+    # Always a copy: the mask is applied in place and must not leak into the caller's logits.
+    logits = logits.to(torch.float32, copy=True)
     if bitmask is not None:
         apply_bitmask_torch(logits, bitmask)
     greedy_tokens = logits.argmax(dim=-1)
@@ -61,7 +63,8 @@ def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature
         drop = rank >= k
         # top-p: keep the smallest prefix whose mass reaches top_p (always keep the first).
         cum = sorted_p.cumsum(dim=-1)
-        drop |= (cum - sorted_p) >= top_p.float()[:, None]
+        # Only where asked: with top_p == 1, fp32 rounding can push cum past 1 and drop the tail.
+        drop |= ((cum - sorted_p) >= top_p.float()[:, None]) & (top_p < 1.0)[:, None]
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
     if (min_p > 0).any():
