@@ -302,7 +302,7 @@ def sample_triton(logits: torch.Tensor, bitmask: torch.Tensor | None, temperatur
         # The search holds [block, 16] tiles: a smaller block keeps them in registers.
         search_block = min(256 if not interp else 128, block_v)
     if rows_per_program is None:
-        rows_per_program = 1 if not interp else min(64, 1 << (R - 1).bit_length())
+        rows_per_program = 1 if not interp else min(256, 1 << (R - 1).bit_length())
     bm = bitmask if has_mask else logits
     _sample_kernel[(triton.cdiv(R, rows_per_program),)](
         logits, bm, temperature, top_k, top_p, min_p, seeds, out, R, V, logits.stride(0),
