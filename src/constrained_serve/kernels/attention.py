@@ -375,10 +375,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
 
     if block_m is None:
-        # Rows are token x group head; a decode-heavy batch wants few tokens per program.
-        per_tok = 1 if meta.max_query_len <= 1 else (16 if interp else 64)
-        block_m = per_tok * group
-    block_m = max(min_m, 16 if not interp else 1, _next_pow2(block_m), _next_pow2(group))
+        # Rows are (token, group head) pairs: 64 rows per program keeps the fp32 accumulator
+        # in registers for head_dim 128; decodes need only their group's rows.
+        block_m = group if meta.max_query_len <= 1 else max(64, group)
+    block_m = max(min_m, _next_pow2(block_m), _next_pow2(group))
     block_q = block_m // group
     grid = (meta.num_seqs, hkv, -(-meta.max_query_len // block_q))
     _paged_attn_kernel[grid](
