@@ -85,6 +85,15 @@ def cases() -> list[tuple[str, object, dict, dict]]:
     return out
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
 def _frontend(src: ASTSource, target: GPUTarget) -> None:
     """AST -> TTIR only: the stage where the Python-level kernel errors surface."""
     from triton._C.libtriton import ir
@@ -116,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 _frontend(src, target)
             else:
                 k = triton.compile(src, target=target)
+                if _cuda_available():
+                    k._init_handles()  # loads the cubin: fills in n_regs / n_spills
                 entry.update(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
                              shared=k.metadata.shared)
             entry["ok"] = True

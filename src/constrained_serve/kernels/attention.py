@@ -162,12 +162,13 @@ if HAS_TRITON:
         # Per-key page lookup, so BLOCK_N is free of the page size.
         page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
-        k = tl.load(k_cache_ptr + page[None, :] * stride_kp + in_page[None, :] * stride_ks
-                    + kvh * stride_kh + offs_d[:, None], mask=n_valid[None, :], other=0.0)
+        # K rows are loaded [N, D] (contiguous along D, coalesced) and transposed for the dot.
+        k = tl.load(k_cache_ptr + page[:, None] * stride_kp + in_page[:, None] * stride_ks
+                    + kvh * stride_kh + offs_d[None, :], mask=n_valid[:, None], other=0.0)
         if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, k)
+            s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
         if CAUSAL:
             keep = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
