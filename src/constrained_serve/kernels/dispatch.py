@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from . import attention, sampling
+from . import attention, norm, sampling
 from .attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -74,3 +74,17 @@ def sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torc
                                       all_greedy=all_greedy)
     return sampling.sample_torch(logits, bitmask, temperature, top_k, top_p, min_p, seeds,
                                  all_greedy=all_greedy)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if use_triton(x.device):
+        return norm.rms_norm_triton(x, weight, eps, residual)
+    return norm.rms_norm_torch(x, weight, eps, residual)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(q.device):
+        return norm.rotary_triton(positions, q, k, cos, sin)
+    return norm.rotary_torch(positions, q, k, cos, sin)
