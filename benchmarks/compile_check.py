@@ -50,7 +50,7 @@ def cases() -> list[tuple[str, object, dict, dict]]:
         p = "*" + dt
         out.append((f"paged_attn_{dt}", A._paged_attn_kernel,
                     {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "out_ptr": p, "qsl_ptr": "*i32",
-                     "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "scale_log2": "fp32",
+                     "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "scale_log2": "fp32", "seq_offset": "i32",
                      **_i32(*"stride_qt stride_qh stride_ot stride_oh stride_bt stride_kp stride_ks "
                             "stride_kh stride_vp stride_vs stride_vh".split()),
                      **_cx("GROUP", "HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "BLOCK_N", "DOT_FP32")},

@@ -141,8 +141,8 @@ def test_triton_split_decode_matches_reference(num_splits, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-def test_split_is_decode_only():
-    """num_splits is ignored (the varlen kernel runs) when the batch has a prefill."""
+def test_split_decodes_inside_a_mixed_batch():
+    """An explicit num_splits splits the decode rows; the prefill chunks run unsplit."""
     require_triton()
     q, kc, vc, meta, _, _ = _paged_case(*MIXED, seed=6)
     ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)

@@ -192,13 +192,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-                           scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                           stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                           scale_log2, seq_offset, stride_qt, stride_qh, stride_ot, stride_oh,
+                           stride_bt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
         # Rows of a tile are (query token, head of the GQA group) pairs: the group's heads
         # share every K/V tile, and a decode still fills GROUP rows of the dot.
-        b = tl.program_id(0)
+        b = tl.program_id(0) + seq_offset
         kvh = tl.program_id(1)
         qb = tl.program_id(2)
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
@@ -333,8 +333,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Triton version of :func:`paged_attention_torch`. Returns [num_tokens, Hq, D].
 
-    ``num_splits`` > 1 selects the split-KV decode path, used only when every sequence is a
-    decode; None picks it from host-side sizes (:func:`default_num_splits`).
+    ``num_splits`` > 1 runs the decode rows through the split-KV path; None picks it from
+    host-side sizes (:func:`default_num_splits`: only for all-decode batches).
+    ``block_m`` sets the rows per program of the prefill launch.
     """
     _require_triton()
     num_tokens, hq, d = q.shape
@@ -352,40 +353,42 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale_log2 = float(scale) * 1.4426950408889634
     if num_splits is None:
         num_splits = default_num_splits(meta, hkv)
-    all_decode = meta.num_decodes == meta.num_seqs and meta.max_query_len == 1
     if block_n is None:
         block_n = 16 if interp else 64
     min_m = 1 if interp else 16  # tl.dot needs M >= 16 on the GPU
     k_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     v_strides = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
-    if all_decode and num_splits > 1:
-        nb = meta.num_seqs
+    nd = meta.num_decodes
+    npf = meta.num_seqs - nd
+    common = dict(HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n, DOT_FP32=dot_fp32,
+                  num_warps=num_warps, num_stages=num_stages)
+
+    # Decodes and prefill chunks are launched apart: a decode needs only its GQA group's rows
+    # (a prefill tile of 64 rows would be mostly padding), and may split its KV range.
+    if nd and num_splits > 1:
         bm = max(min_m, 16, _next_pow2(group))
-        part_out = torch.empty(nb, hq, num_splits, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(nb, hq, num_splits, dtype=torch.float32, device=q.device)
-        _paged_decode_split_kernel[(nb, hkv, num_splits)](
+        part_out = torch.empty(nd, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(nd, hq, num_splits, dtype=torch.float32, device=q.device)
+        _paged_decode_split_kernel[(nd, hkv, num_splits)](
             q, k_cache, v_cache, part_out, part_lse, meta.seq_lens, meta.block_tables, scale_log2,
             q.stride(0), q.stride(1), meta.block_tables.stride(0), *k_strides, *v_strides,
-            GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-            BLOCK_M=bm, BLOCK_N=block_n, DOT_FP32=dot_fp32, num_warps=num_warps,
-            num_stages=num_stages)
-        _split_reduce_kernel[(nb, hq)](part_out, part_lse, out, out.stride(0), out.stride(1),
+            GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=bm, **common)
+        _split_reduce_kernel[(nd, hq)](part_out, part_lse, out, out.stride(0), out.stride(1),
                                        NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits),
                                        HEAD_DIM=d)
-        return out
-
-    if block_m is None:
-        # Rows are (token, group head) pairs: 64 rows per program keeps the fp32 accumulator
-        # in registers for head_dim 128; decodes need only their group's rows.
-        block_m = group if meta.max_query_len <= 1 else max(64, group)
-    block_m = max(min_m, _next_pow2(block_m), _next_pow2(group))
-    block_q = block_m // group
-    grid = (meta.num_seqs, hkv, -(-meta.max_query_len // block_q))
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        meta.block_tables.stride(0), *k_strides, *v_strides,
-        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=dot_fp32, num_warps=num_warps, num_stages=num_stages)
+    elif nd:
+        bm = max(min_m, _next_pow2(group))
+        _paged_attn_kernel[(nd, hkv, 1)](
+            q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            scale_log2, 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            meta.block_tables.stride(0), *k_strides, *v_strides, GROUP=group, BLOCK_M=bm, **common)
+    if npf:
+        # 64 rows of (token, group head) keep the fp32 accumulator in registers at head_dim 128.
+        bm = max(min_m, _next_pow2(block_m or 64), _next_pow2(group))
+        block_q = bm // group
+        _paged_attn_kernel[(npf, hkv, -(-meta.max_query_len // block_q))](
+            q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            scale_log2, nd, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            meta.block_tables.stride(0), *k_strides, *v_strides, GROUP=group, BLOCK_M=bm, **common)
     return out
