@@ -85,3 +85,14 @@ def test_package_works_without_triton():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dispatch_falls_back_for_unsupported_head_dim(monkeypatch):
+    monkeypatch.setenv("CONSTRAINED_SERVE_KERNELS", "triton")
+    g = torch.Generator().manual_seed(1)
+    meta = make_batch([1, 2], [3, 2], 16, 2, g)
+    q = torch.randn(3, 2, 24, generator=g)  # head_dim 24: not a power of two
+    kc, vc = torch.randn(2, 16, 1, 24, generator=g), torch.randn(2, 16, 1, 24, generator=g)
+    assert not attention.triton_supports(q, kc)
+    torch.testing.assert_close(dispatch.paged_attention(q, kc, vc, meta, 0.2),
+                               attention.paged_attention_torch(q, kc, vc, meta, 0.2))

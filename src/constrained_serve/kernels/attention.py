@@ -314,6 +314,14 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv))
 
 
+def triton_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Shapes the Triton attention handles (others go to the reference): power-of-two
+    head_dim >= 16 and page_size, unit stride along head_dim."""
+    d, page_size = q.shape[-1], k_cache.shape[1]
+    return (d >= 16 and d & (d - 1) == 0 and page_size & (page_size - 1) == 0
+            and q.stride(-1) == 1 and k_cache.stride(-1) == 1)
+
+
 def default_num_splits(meta: AttentionMetadata, num_kv_heads: int, target_programs: int = 256) -> int:
     """Splits for an all-decode batch, from host-side sizes only (never probes the device).
 

@@ -55,7 +55,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    if use_triton(q.device):
+    if use_triton(q.device) and attention.triton_supports(q, k_cache):
         return attention.paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return attention.paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
@@ -78,13 +78,14 @@ def sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torc
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if use_triton(x.device):
+    if use_triton(x.device) and x.shape[-1] <= 65536:
         return norm.rms_norm_triton(x, weight, eps, residual)
     return norm.rms_norm_torch(x, weight, eps, residual)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(q.device):
+    half = q.shape[-1] // 2
+    if use_triton(q.device) and q.shape[-1] % 2 == 0 and half & (half - 1) == 0:
         return norm.rotary_triton(positions, q, k, cos, sin)
     return norm.rotary_torch(positions, q, k, cos, sin)
