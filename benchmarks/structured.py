@@ -1,0 +1,217 @@
+"""Structured extraction: our engine (constrained / unconstrained) vs HF transformers
+`generate` with xgrammar's logits processor vs Outlines, on one workload, in one process.
+
+64 chat requests = a shared instruction (system message + field description, ~100 tokens)
++ a varied text of 40-120 words (reviews, tickets, invoices generated here); one JSON Schema
+with strings, an enum, an integer range, an array and a boolean; max_tokens 96; greedy.
+HF and Outlines run static batches of 16. Prints wall time, output tokens/s (forced tokens
+included for ours), valid-output rate, and the ratios (medians over --repeats).
+
+    python benchmarks/structured.py [--repeats 2] [--threads 2] [--skip-hf] [--skip-outlines]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import jsonschema
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, median, save, timed  # noqa: E402
+
+from constrained_serve import Engine, SamplingParams  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["review", "ticket", "invoice"]},
+        "customer": {"type": "string", "maxLength": 40},
+        "product": {"type": "string", "maxLength": 40},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "issues": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
+        "urgent": {"type": "boolean"},
+    },
+    "required": ["kind", "customer", "product", "rating", "issues", "urgent"],
+    "additionalProperties": False,
+}
+INSTRUCTION = (
+    "You are an information extraction system. Read the text and return one JSON object with the fields: "
+    "kind (review, ticket or invoice), customer (the person's name), product (what it is about), rating "
+    "(1 to 5, how satisfied the customer is), issues (up to three short problems mentioned) and urgent "
+    "(true if the customer needs help right away). Answer with JSON only."
+)
+NAMES = ["Anna Keller", "Bob Martin", "Chen Wei", "Dana Ivanova", "Emil Novak", "Fatima Zahra", "Gus Olsen",
+         "Hana Sato", "Ivan Petrov", "Julia Costa", "Kofi Mensah", "Laura Rossi"]
+PRODUCTS = ["espresso machine", "running shoes", "laptop stand", "wireless earbuds", "office chair",
+            "electric kettle", "smart watch", "backpack", "desk lamp", "blender", "e-reader", "router"]
+PROBLEMS = ["arrived late", "the box was damaged", "stopped working after a week", "is louder than advertised",
+            "the battery drains fast", "a part was missing", "the colour is wrong", "the manual is unclear",
+            "I was charged twice", "support never answered", "the app keeps crashing", "it overheats"]
+FILLER = ["I have been a loyal customer for years.", "My neighbour recommended your shop.",
+          "The delivery driver was friendly.", "I compared several brands before buying.",
+          "The price seemed fair at the time.", "I use it every morning before work.",
+          "My kids love it too.", "I read the reviews carefully before ordering."]
+
+
+def make_text(rng: random.Random) -> str:
+    kind = rng.choice(["review", "ticket", "invoice"])
+    name, product = rng.choice(NAMES), rng.choice(PRODUCTS)
+    probs = rng.sample(PROBLEMS, rng.randint(0, 3))
+    parts = []
+    if kind == "review":
+        parts.append(f"Review by {name}: I bought the {product} last month.")
+    elif kind == "ticket":
+        parts.append(f"Support ticket from {name}. Subject: problem with my {product}.")
+    else:
+        parts.append(f"Invoice dispute. Customer: {name}. Item: {product}, order {rng.randint(10000, 99999)}, "
+                     f"amount {rng.randint(20, 900)}.{rng.randint(0, 99):02d} EUR.")
+    parts += [f"Unfortunately it {p}." for p in probs]
+    while len(" ".join(parts).split()) < rng.randint(40, 120):
+        parts.append(rng.choice(FILLER))
+    if rng.random() < 0.3:
+        parts.append("Please help me as soon as possible, this is urgent!")
+    return " ".join(parts)
+
+
+def workload(n: int, seed: int = 0) -> list[list[dict]]:
+    rng = random.Random(seed)
+    return [[{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": make_text(rng)}]
+            for _ in range(n)]
+
+
+def valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def run_ours(engine: Engine, convs, max_tokens: int, constrained: bool):
+    def go():
+        if engine.kv.radix is not None:
+            engine.kv.radix.evict(engine.pool.num_pages)  # cold cache: the shared prefix is computed once per run
+        kw = {"schema": SCHEMA} if constrained else {}
+        rs = engine.chat(convs, SamplingParams(max_tokens=max_tokens), **kw)
+        return sum(r.usage.completion_tokens for r in rs), sum(valid(r.text) for r in rs) / len(rs)
+    return go
+
+
+def hf_batches(tok, convs, batch):
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+    return [texts[i:i + batch] for i in range(0, len(texts), batch)]
+
+
+def count_tokens(gen_ids, eos: int) -> int:
+    return sum(next((k + 1 for k, t in enumerate(row) if t == eos), len(row)) for row in gen_ids.tolist())
+
+
+def run_hf_xgrammar(model_dir, tok, convs, max_tokens, batch):
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    batches = hf_batches(tok, convs, batch)
+
+    def go():
+        n_tok, n_valid, n = 0, 0, 0
+        for texts in batches:
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            proc = xgr.contrib.hf.LogitsProcessor(compiled)
+            with torch.inference_mode():
+                out = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=False, logits_processor=[proc],
+                                  pad_token_id=tok.pad_token_id)
+            gen = out[:, enc["input_ids"].shape[1]:]
+            n_tok += count_tokens(gen, tok.eos_token_id)
+            for row in tok.batch_decode(gen, skip_special_tokens=True):
+                n_valid += valid(row)
+                n += 1
+        return n_tok, n_valid / n
+    return go
+
+
+def run_outlines(model_dir, tok, convs, max_tokens, batch):
+    import outlines
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = outlines.from_transformers(hf, tok)
+    gen = outlines.Generator(model, outlines.json_schema(SCHEMA))
+    batches = hf_batches(tok, convs, batch)
+
+    def go():
+        n_tok, n_valid, n = 0, 0, 0
+        for texts in batches:
+            outs = gen.batch(texts, max_new_tokens=max_tokens, do_sample=False)
+            for o in outs:
+                n_tok += len(tok(o, add_special_tokens=False)["input_ids"])
+                n_valid += valid(o)
+                n += 1
+        return n_tok, n_valid / n
+    return go
+
+
+def measure(name, go, repeats):
+    go()  # warm-up
+    runs = [timed(go) for _ in range(repeats)]
+    wall = median([t for t, _ in runs])
+    toks = median([n / t for t, (n, _) in runs])
+    rate = runs[-1][1][1]
+    print(f"{name:<34} wall {wall:7.1f} s   output tokens/s {toks:7.1f}   valid {rate * 100:5.1f}%   "
+          f"(per repeat: {[round(t, 1) for t, _ in runs]})", flush=True)
+    return {"wall_s": wall, "tokens_per_s": toks, "valid_rate": rate, "runs": [t for t, _ in runs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-outlines", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    convs = workload(args.n)
+    engine = Engine(model=args.model, num_threads=args.threads, max_num_seqs=max(64, args.n))
+    res = {"args": vars(args)}
+    res["ours_constrained"] = measure("(a) ours, constrained", run_ours(engine, convs, args.max_tokens, True),
+                                      args.repeats)
+    res["ours_unconstrained"] = measure("(b) ours, unconstrained", run_ours(engine, convs, args.max_tokens, False),
+                                        args.repeats)
+    baselines = []
+    if not args.skip_hf:
+        res["hf_xgrammar"] = measure("(c) HF generate + xgrammar", run_hf_xgrammar(
+            engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch), args.repeats)
+        baselines.append(res["hf_xgrammar"]["wall_s"])
+    if not args.skip_outlines:
+        try:
+            res["outlines"] = measure("(d) Outlines (transformers)", run_outlines(
+                engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch), args.repeats)
+            baselines.append(res["outlines"]["wall_s"])
+        except ImportError as e:
+            print(f"(d) Outlines not installed ({e}); `pip install outlines` to include it")
+    a, b = res["ours_constrained"], res["ours_unconstrained"]
+    res["structure_cost_ratio"] = a["tokens_per_s"] / b["tokens_per_s"]
+    print(f"(a)/(b) output tokens/s: {res['structure_cost_ratio']:.2f}x (target >= 0.95)")
+    if baselines:
+        res["speedup_vs_fastest_baseline"] = min(baselines) / a["wall_s"]
+        print(f"wall-time speed-up of (a) over the faster of (c)/(d): {res['speedup_vs_fastest_baseline']:.2f}x "
+              f"(target >= 3)")
+    print("machine:", machine())
+    print("saved", save("structured", res))
+
+
+if __name__ == "__main__":
+    main()
