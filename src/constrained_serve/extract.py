@@ -20,6 +20,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import string
 import time
 from collections import deque
@@ -62,6 +63,9 @@ def row_key(row_id: Any) -> str:
     return json.dumps(row_id, sort_keys=True, ensure_ascii=False)
 
 
+_FIELD_NAME = re.compile(r"^[^\W\d][\w-]*$")
+
+
 class PromptBuilder:
     """Turns one input record into chat messages.
 
@@ -80,7 +84,7 @@ class PromptBuilder:
         if not self.fields:
             raise ValueError(f"--template {self.template!r} names no field; use e.g. '... {{text}} ...'")
         for name in self.fields:
-            if not name or not name.replace("_", "a").replace("-", "a").isalnum():
+            if not _FIELD_NAME.match(name):
                 raise ValueError(
                     f"--template field {{{name}}} is not a plain field name (positional, index and "
                     "attribute lookups are not supported; write {{ and }} for literal braces)"
