@@ -1,9 +1,57 @@
-"""constrained-serve: structured generation with continuous batching."""
+"""constrained-serve: structured generation with continuous batching.
+
+    from constrained_serve import Engine, SamplingParams
+    engine = Engine()
+    [r] = engine.chat([{"role": "user", "content": "..."}], SamplingParams(max_tokens=64), schema=MyModel)
+"""
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 __version__ = "0.1.0"
 
+from .api import Engine
 from .errors import GrammarError, OutputError, PromptTooLongError
 from .params import OutputSpec, SamplingParams
+from .result import Result, Usage
 
-__all__ = ["GrammarError", "OutputError", "PromptTooLongError", "OutputSpec", "SamplingParams", "__version__"]
+__all__ = ["Engine", "GrammarError", "OutputError", "PromptTooLongError", "OutputSpec", "Result",
+           "SamplingParams", "Usage", "generate", "default_engine", "__version__"]
+
+_default_engine: Engine | None = None
+_default_lock = threading.Lock()
+
+
+def default_engine() -> Engine:
+    """The lazily created default Engine (default model, default settings) of ``generate``."""
+    global _default_engine
+    with _default_lock:
+        if _default_engine is None:
+            _default_engine = Engine()
+        return _default_engine
+
+
+_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
+                    "ignore_eos"}
+
+
+def generate(prompt_or_messages: Any, **kwargs: Any):
+    """One-liner for notebooks and scripts: ``generate("...", schema=Invoice, max_tokens=200)``.
+
+    A string or one message list returns one Result; a list of them returns a list. Message
+    lists go through the chat template; strings are sent as they are.
+    """
+    sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in _SAMPLING_FIELDS}
+    params = kwargs.pop("params", None) or SamplingParams(**sampling)
+    eng = default_engine()
+    x = prompt_or_messages
+    is_messages = isinstance(x, list) and x and isinstance(x[0], dict)
+    is_list_of_messages = isinstance(x, list) and x and isinstance(x[0], list)
+    if isinstance(x, str):
+        return eng.generate(x, params, **kwargs)[0]
+    if is_messages:
+        return eng.chat(x, params, **kwargs)[0]
+    if is_list_of_messages:
+        return eng.chat(x, params, **kwargs)
+    return eng.generate(list(x), params, **kwargs)

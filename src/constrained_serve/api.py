@@ -1,0 +1,340 @@
+"""The public facade: ``Engine`` with generate / chat / generate_iter / stream / conversation.
+
+It turns user inputs (strings, message lists, output specs) into ``Request`` objects, drives
+``EngineCore`` and turns finished requests into ``Result`` objects, in input order.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections import deque
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from .cache.manager import KVCacheManager
+from .cache.pool import PagePool
+from .cache.radix import RadixCache
+from .config import EngineConfig
+from .engine import EngineCore
+from .errors import GrammarError, OutputError, PromptTooLongError
+from .models import loader
+from .params import OutputSpec, SamplingParams
+from .request import Request
+from .result import Result, Usage
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Messages = list[dict[str, Any]]
+_SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
+
+
+class Engine:
+    """A causal LM turned into a structured-output engine. See README for examples."""
+
+    def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype=None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+                 kv_cache_tokens: int | None = None, page_size: int = 16, **kwargs: Any) -> None:
+        self.config = cfg = EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=max_num_batched_tokens,
+                                         kv_cache_tokens=kv_cache_tokens, page_size=page_size, **kwargs)
+        self.device = dev = cfg.torch_device()
+        self.dtype = cfg.torch_dtype(dev)
+        if dev.type == "cpu":
+            torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
+        src = loader.resolve_model(cfg.model)
+        self.hf_config, self.tokenizer = loader.load_config_and_tokenizer(src)
+        model_len = self.hf_config.max_position_embeddings
+        if cfg.max_model_len is not None:
+            model_len = min(model_len, cfg.max_model_len)
+        self.model = loader.build_model(src, self.hf_config, self.dtype, dev, cfg.load_format, max_positions=model_len)
+        self.model_path = src.folder or src.gguf
+        num_pages = self._num_pages(model_len)
+        self.pool = PagePool(num_pages, cfg.page_size)
+        radix = RadixCache(self.pool, cfg.page_size) if cfg.enable_prefix_cache else None
+        self.kv = KVCacheManager(self.pool, radix)
+        self.max_model_len = min(model_len, num_pages * cfg.page_size)
+        runner = ModelRunner(self.model, num_pages, cfg.page_size, dev, self.dtype)
+        scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens(dev))
+        self.core = EngineCore(runner, scheduler, self.kv, self.tokenizer, self._eos_ids(), self.max_model_len,
+                               grammar=None, overlap=cfg.overlap, fast_forward=cfg.fast_forward)
+        self._rng = random.Random(cfg.seed)
+        self._grammar = None
+        logger.info("engine ready: %s on %s (%s), %d KV pages of %d tokens", self.model_path, dev,
+                    self.dtype, num_pages, cfg.page_size)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _num_pages(self, model_len: int) -> int:
+        cfg = self.config
+        per_token = ModelRunner.kv_bytes_per_token(self.model, self.dtype)
+        if cfg.kv_cache_tokens is not None:
+            tokens = cfg.kv_cache_tokens
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            tokens = int(free * cfg.kv_cache_memory_fraction) // per_token
+        else:
+            tokens = 32768
+        return max(1, tokens // cfg.page_size)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for v in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(v, int):
+                ids.add(v)
+            elif isinstance(v, (list, tuple)):
+                ids.update(int(x) for x in v)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.arch.vocab_size
+
+    @property
+    def grammar(self):
+        """The GrammarManager, created on first use (building the token tables takes a moment)."""
+        if self._grammar is None:
+            from .grammar.manager import GrammarManager
+
+            self._grammar = GrammarManager(self.tokenizer, self.vocab_size,
+                                           default_backend=self.config.grammar_backend,
+                                           eos_token_ids=sorted(self.core.eos_token_ids))
+            self.core.grammar = self._grammar
+        return self._grammar
+
+    # ------------------------------------------------------------------ inputs
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        return list(self.tokenizer(self.render_chat(messages), add_special_tokens=False)["input_ids"])
+
+    def make_spec(self, **spec_kwargs: Any) -> OutputSpec | None:
+        if all(spec_kwargs.get(k) is None for k in _SPEC_KEYS):
+            return None
+        from .grammar.spec import make_output_spec
+
+        return make_output_spec(**spec_kwargs)
+
+    def _split_specs(self, n: int, spec_args: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+        """One spec for all prompts, or one per prompt (a list of length n for a spec argument)."""
+        per_prompt = {}
+        for k in _SPEC_KEYS:
+            v = spec_args.get(k)
+            is_list = isinstance(v, list) and len(v) == n and n > 0
+            if k == "choices":
+                is_list = is_list and all(isinstance(x, (list, tuple)) or x is None for x in v)
+            if is_list:
+                per_prompt[k] = v
+        if not per_prompt:
+            return [spec_args] * n, False
+        out = []
+        for i in range(n):
+            d = dict(spec_args)
+            for k, v in per_prompt.items():
+                d[k] = v[i]
+            out.append(d)
+        return out, True
+
+    def _new_request(self, ids: list[int], params: SamplingParams, spec: OutputSpec | None, index: int,
+                     backend: str | None) -> Request:
+        if len(ids) == 0:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the model's context (or the KV pool) holds {self.max_model_len}")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        r = Request(prompt_ids=ids, params=params, spec=spec, seed=seed, index=index)
+        if spec is not None:
+            r.grammar_future = self.grammar.compile_async(spec, backend)
+        return r
+
+    # ------------------------------------------------------------------ outputs
+    def _result(self, r: Request, prompt: Any = None, raise_on_error: bool = False) -> Result:
+        r.detok.flush()
+        text = r.detok.text
+        for s in r.params.stop:
+            i = text.find(s)
+            if i >= 0:
+                text = text[:i]
+        res = Result(text=text, token_ids=r.output_ids, finish_reason=r.finish_reason or "abort",
+                     usage=Usage(prompt_tokens=r.num_prompt, cached_tokens=r.num_cached,
+                                 completion_tokens=r.num_output, forced_tokens=r.num_forced),
+                     error=r.error, error_type=r.error_type, index=r.index, prompt=prompt)
+        if r.spec is not None and res.error is None:
+            if res.finish_reason == "length":
+                res.error_type = "truncated"
+                res.error = (f"output truncated at max_tokens={r.params.max_tokens} before the "
+                             f"{r.spec.kind} was complete; nothing was repaired")
+            elif res.finish_reason == "stop":
+                from .grammar.spec import parse_output
+
+                try:
+                    res.json, res.parsed = parse_output(r.spec, text)
+                except Exception as e:  # noqa: BLE001 - reported on the result, not raised mid-batch
+                    res.error, res.error_type = f"output does not parse: {e}", type(e).__name__
+        if raise_on_error and res.error is not None:
+            raise OutputError(f"request {r.index}: {res.error}")
+        return res
+
+    def _error_result(self, index: int, e: Exception, prompt: Any = None) -> Result:
+        return Result(text="", token_ids=[], finish_reason="abort", error=str(e), error_type=type(e).__name__,
+                      index=index, prompt=prompt)
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: str | Sequence[str], params: SamplingParams | None = None, *,
+                 progress: bool = False, raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
+        """Raw prompts (no chat template). One Result per prompt, in input order."""
+        if isinstance(prompts, str):
+            return self._run([prompts], params, False, progress, raise_on_error, spec_kwargs, single=True)
+        return self._run(list(prompts), params, False, progress, raise_on_error, spec_kwargs, single=False)
+
+    def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None, *,
+             progress: bool = False, raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
+        """Message lists, rendered with the model's chat template. One Result per conversation."""
+        single = len(messages) > 0 and isinstance(messages[0], dict)
+        items = [messages] if single else list(messages)
+        return self._run(items, params, True, progress, raise_on_error, spec_kwargs, single=single)
+
+    def _backend_arg(self, spec_kwargs: dict[str, Any]) -> str | None:
+        b = spec_kwargs.pop("grammar_backend", None)
+        if b is not None and b not in ("llguidance", "xgrammar"):
+            raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {b!r}")
+        return b
+
+    def _run(self, items: list, params: SamplingParams | None, chat: bool, progress: bool,
+             raise_on_error: bool, spec_kwargs: dict[str, Any], single: bool) -> list[Result]:
+        return list(self._iter(items, params, chat, progress, raise_on_error, spec_kwargs, single,
+                               max_in_flight=None, total=len(items)))
+
+    def generate_iter(self, prompts: Iterable[Any], params: SamplingParams | None = None, *, chat: bool = False,
+                      max_in_flight: int = 256, progress: bool = False, raise_on_error: bool = False,
+                      **spec_kwargs: Any) -> Iterator[Result]:
+        """Stream over a long iterable: continuous batching across items, results in input order.
+
+        Per-item problems (too long, bad per-item input) come back as error Results."""
+        return self._iter(prompts, params, chat, progress, raise_on_error, spec_kwargs, single=False,
+                          max_in_flight=max_in_flight, total=None)
+
+    def _iter(self, items: Iterable[Any], params, chat, progress, raise_on_error, spec_kwargs, single,
+              max_in_flight: int | None, total: int | None) -> Iterator[Result]:
+        params = params or SamplingParams()
+        spec_kwargs = dict(spec_kwargs)
+        backend = self._backend_arg(spec_kwargs)
+        spec_args = {k: spec_kwargs.pop(k) for k in list(spec_kwargs) if k in _SPEC_KEYS or k in (
+            "grammar_syntax", "json_whitespace", "strict")}
+        if spec_kwargs:
+            raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
+        materialized = isinstance(items, list)
+        per_item_specs, per_prompt = (self._split_specs(len(items), spec_args) if materialized
+                                      else ([], False))
+        shared_spec = None
+        if not per_prompt:
+            shared_spec = self.make_spec(**spec_args)  # a bad shared spec raises here
+            if shared_spec is not None:
+                self.grammar.compile(shared_spec, backend)  # ... and fails before any model work
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="generate", unit="req")
+        pending: deque[tuple[int, Any, Request | Result]] = deque()
+        limit = max_in_flight or (1 << 62)
+        it = iter(enumerate(items))
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) < limit:
+                    nxt = next(it, None)
+                    if nxt is None:
+                        exhausted = True
+                        break
+                    i, item = nxt
+                    try:
+                        spec = (self.make_spec(**per_item_specs[i]) if per_prompt else shared_spec)
+                        ids = self.encode_chat(item) if chat else self._encode_raw(item)
+                        r = self._new_request(ids, params, spec, i, backend)
+                    except (ValueError, TypeError) as e:
+                        if single or raise_on_error:
+                            raise
+                        pending.append((i, item, self._error_result(i, e, item)))
+                        continue
+                    self.core.add(r)
+                    pending.append((i, item, r))
+                # Yield finished heads in order, then step.
+                while pending and (isinstance(pending[0][2], Result) or pending[0][2].finished):
+                    i, item, x = pending.popleft()
+                    res = x if isinstance(x, Result) else self._result(x, item, raise_on_error)
+                    if bar is not None:
+                        bar.update(1)
+                    yield res
+                if not pending and exhausted:
+                    return
+                if self.core.has_work():
+                    self.core.step()
+        finally:
+            if bar is not None:
+                bar.close()
+            for _, _, x in pending:  # the caller stopped early: free what is still running
+                if isinstance(x, Request) and not x.finished:
+                    self.core.abort(x)
+            self.core._drain()
+
+    def _encode_raw(self, item: Any) -> list[int]:
+        if isinstance(item, str):
+            return self.encode_prompt(item)
+        if isinstance(item, (list, tuple)) and all(isinstance(t, int) for t in item):
+            return list(item)  # pre-tokenized prompt
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(item).__name__}")
+
+    def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                     spec: OutputSpec | None = None, on_delta=None) -> Result:
+        """Run one pre-tokenized prompt to completion (used by conversations and streaming)."""
+        r = self._new_request(prompt_ids, params or SamplingParams(), spec, 0, None)
+        r.on_delta = on_delta
+        self.core.add(r)
+        while not r.finished:
+            self.core.step()
+        self.core._drain()
+        return self._result(r)
+
+    # ------------------------------------------------------------------ streaming and conversations
+    def stream(self, prompt: str | Messages, params: SamplingParams | None = None,
+               **spec_kwargs: Any) -> Iterator[str]:
+        """Yield text deltas as they are decoded (constrained or not)."""
+        params = params or SamplingParams()
+        backend = self._backend_arg(dict(spec_kwargs))
+        spec_kwargs.pop("grammar_backend", None)
+        spec = self.make_spec(**spec_kwargs)
+        if spec is not None:
+            self.grammar.compile(spec, backend)
+        ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
+        r = self._new_request(ids, params, spec, 0, backend)
+        out: list[str] = []
+        r.on_delta = out.append
+        self.core.add(r)
+        try:
+            while not r.finished:
+                self.core.step()
+                while out:
+                    yield out.pop(0)
+            tail = r.detok.flush()
+            if tail:
+                yield tail
+        finally:
+            if not r.finished:
+                self.core.abort(r)
+            self.core._drain()
+
+    def conversation(self, system: str | None = None, params: SamplingParams | None = None):
+        from .conversation import Conversation
+
+        return Conversation(self, system=system, params=params)

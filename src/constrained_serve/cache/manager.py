@@ -1,0 +1,80 @@
+"""Pages for requests: the page pool plus (optionally) the radix prefix cache.
+
+Ownership: a request holds one pool reference on each page in ``request.pages``. With the
+prefix cache on, pages matched at admission are shared with the cache (the request increfs
+them and locks the matched node so they cannot be evicted while it runs); at release the
+request's computed, page-aligned tokens are inserted into the cache (which takes its own
+reference on pages it adopts), the node is unlocked, and the request drops its references.
+"""
+from __future__ import annotations
+
+import logging
+
+from ..request import Request
+from .pool import OutOfPages, PagePool
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheManager:
+    def __init__(self, pool: PagePool, radix=None) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.radix = radix  # RadixCache or None (prefix caching off)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.pool.num_pages * self.page_size
+
+    def match_prefix(self, r: Request) -> None:
+        """At admission: reuse the longest cached page-aligned prefix (keeping >= 1 token to compute)."""
+        if self.radix is None or r.pages:
+            return
+        m = self.radix.match_prefix(r.token_ids[: r.num_tokens - 1])
+        if m.num_tokens == 0:
+            return
+        self.radix.lock(m.node)
+        self.pool.incref(m.pages)
+        r.cache_node = m.node
+        r.pages = list(m.pages)
+        r.num_computed = m.num_tokens
+        if r.num_preemptions == 0 and r.num_cached == 0:
+            r.num_cached = min(m.num_tokens, r.num_prompt)
+
+    def ensure_pages(self, r: Request, num_tokens: int) -> bool:
+        need = PagePool.pages_for(num_tokens, self.page_size) - len(r.pages)
+        if need <= 0:
+            return True
+        if self.pool.num_free < need and self.radix is not None:
+            self.radix.evict(need - self.pool.num_free)
+        try:
+            r.pages.extend(self.pool.allocate(need))
+        except OutOfPages:
+            return False
+        return True
+
+    def release(self, r: Request, cache_tokens: bool) -> None:
+        """Give back r's pages; with cache_tokens, first offer its computed KV to the cache."""
+        if self.radix is not None and cache_tokens and r.pages:
+            n = (r.num_computed // self.page_size) * self.page_size
+            if n:
+                self.radix.insert(r.token_ids[:n], r.pages[: n // self.page_size])
+        if self.radix is not None and r.cache_node is not None:
+            self.radix.unlock(r.cache_node)
+        r.cache_node = None
+        self.pool.decref(r.pages)
+        r.pages = []
+
+    def check_integrity(self, running: list[Request]) -> None:
+        """free + cached-only + in use by requests == total (tests call this after every step)."""
+        self.pool.check_integrity()
+        in_use = set()
+        for r in running:
+            assert len(set(r.pages)) == len(r.pages), "a request holds a page twice"
+            in_use.update(r.pages)
+        if self.radix is not None:
+            self.radix.check_integrity()
+            self.radix.check_accounting(len(in_use))
+        else:
+            assert self.pool.num_free + len(in_use) == self.pool.num_pages, (
+                f"page leak: free {self.pool.num_free} + in use {len(in_use)} != {self.pool.num_pages}")

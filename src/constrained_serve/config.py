@@ -1,0 +1,72 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | os.PathLike | None = None  # None: the default SmolLM2-135M-Instruct
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str | torch.dtype | None = None  # None: fp32 on CPU, bf16 on CUDA
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: 512 on CPU, 8192 on CUDA
+    kv_cache_tokens: int | None = None  # None: from kv_cache_memory_fraction (CUDA) or 32768 (CPU)
+    kv_cache_memory_fraction: float = 0.85  # share of free GPU memory for the KV pool
+    page_size: int = 16
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    grammar_backend: str = "llguidance"
+    overlap: bool = True  # fill grammar masks while the forward runs
+    fast_forward: bool = True  # append grammar-forced tokens without a decode step each
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
+    load_format: str = "auto"  # "auto" | "dummy" (random weights in the model's shapes)
+    seed: int = 0  # draws the seeds of requests that give none
+    conversation_lock_fraction: float = 0.5  # share of the pool open conversations may pin
+
+    def __post_init__(self) -> None:
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if isinstance(self.dtype, str) and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ValueError(f"kv_cache_tokens must be >= page_size ({self.page_size}), got {self.kv_cache_tokens}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1) or self.page_size > 128:
+            raise ValueError(f"page_size must be a power of two <= 128, got {self.page_size}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.grammar_backend not in ("llguidance", "xgrammar"):
+            raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {self.grammar_backend!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not 0 <= self.conversation_lock_fraction <= 1:
+            raise ValueError(f"conversation_lock_fraction must be in [0, 1], got {self.conversation_lock_fraction}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return self.dtype if isinstance(self.dtype, torch.dtype) else _DTYPES[self.dtype]
+
+    def batched_tokens(self, device: torch.device) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if device.type == "cuda" else 512

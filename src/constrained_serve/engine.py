@@ -1,0 +1,191 @@
+"""The step loop: schedule -> forward (overlapped with grammar masks) -> sample -> update.
+
+``EngineCore`` knows nothing about prompts, chat templates or result formatting (that is
+``api.Engine``); it takes ``Request`` objects and advances them one step at a time.
+
+Overlap: the forward of step N is launched first (on CUDA it is asynchronous; on CPU it runs
+in a worker thread, torch releases the GIL), then the caller thread fills the grammar bitmask
+rows for step N's sampling rows (the grammar engines release the GIL too), then waits for the
+logits. ``overlap=False`` runs the same work strictly in sequence: it is the reference the
+overlapped loop must match token for token.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .cache.manager import KVCacheManager
+from .detokenizer import IncrementalDetokenizer
+from .request import Request, Status
+from .runner import Batch, ModelRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, kv: KVCacheManager, tokenizer,
+                 eos_token_ids: set[int], max_model_len: int, grammar=None, overlap: bool = True,
+                 fast_forward: bool = True) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.grammar = grammar  # GrammarManager (created lazily by the API)
+        self.overlap = overlap
+        self.fast_forward = fast_forward
+        self.sampler = Sampler(runner.device)
+        self.device = runner.device
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forward") if self.device.type == "cpu" else None
+        self.num_steps = 0
+        self.check_each_step = False  # tests turn this on: integrity check after every step
+        self.finished_queue: list[Request] = []
+
+    # ------------------------------------------------------------------ requests
+    def add(self, r: Request) -> None:
+        r.detok = IncrementalDetokenizer(self.tokenizer, r.prompt_ids[-4:])
+        self.scheduler.add(r)
+
+    def abort(self, r: Request, reason: str = "abort", error: str | None = None, error_type: str | None = None) -> None:
+        if r.finished:
+            return
+        r.error, r.error_type = error, error_type
+        self.scheduler.finish(r, reason)
+        self.finished_queue.append(r)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ grammar
+    def _prepare_grammars(self) -> None:
+        """Give waiting requests whose grammar finished compiling a matcher (or their error)."""
+        for r in list(self.scheduler.waiting):
+            fut = r.grammar_future
+            if fut is None or r.matcher is not None or not fut.done():
+                continue
+            try:
+                compiled = fut.result()
+            except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
+                self.abort(r, "abort", str(e), type(e).__name__)
+                continue
+            r.matcher = self.grammar.new_matcher(compiled)
+            r.grammar_future = None
+            # Tokens the grammar forces before the first sampled token join the prefill.
+            self._fast_forward(r)
+            if self._check_stop(r, []):
+                continue
+
+    def _fast_forward(self, r: Request) -> None:
+        if not self.fast_forward or r.matcher is None or r.finished:
+            return
+        room = min(r.params.max_tokens - r.num_output, self.max_model_len - r.num_tokens)
+        forced = r.matcher.forced_tokens()[: max(room, 0)]
+        if not forced:
+            return
+        if not r.matcher.accept_tokens(forced):
+            logger.warning("grammar refused its own forced tokens %s", forced)
+            return
+        r.token_ids.extend(forced)
+        r.num_forced += len(forced)
+        self._emit(r, forced)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[Request]:
+        """Run one step; return the requests that finished during it."""
+        if self.grammar is not None:
+            self._prepare_grammars()
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.running or self._only_compiling():
+                return self._drain()
+            # Nothing schedulable and nothing compiling: a waiting request can never fit.
+            for r in list(self.scheduler.waiting):
+                self.abort(r, "abort", "request does not fit in the KV cache", "PromptTooLongError")
+            return self._drain()
+        inputs = self.runner.prepare(batch)
+        sampling = batch.sampling_chunks
+        reqs = [c.request for c in sampling]
+        if self.overlap and self._pool is not None:
+            fut = self._pool.submit(self.runner.forward, inputs)
+            bitmask = self._fill_masks(reqs)
+            logits = fut.result()
+        else:
+            logits = self.runner.forward(inputs)  # on CUDA: launched, not waited for
+            bitmask = self._fill_masks(reqs)
+        tokens = self.sampler(logits, reqs, bitmask) if reqs else []
+        self._update(batch, tokens)
+        self.num_steps += 1
+        if self.check_each_step:
+            self.check_integrity()
+        return self._drain()
+
+    def _only_compiling(self) -> bool:
+        return any(r.grammar_future is not None and not r.grammar_future.done() for r in self.scheduler.waiting)
+
+    def _drain(self) -> list[Request]:
+        done, self.finished_queue = self.finished_queue, []
+        return done
+
+    def _fill_masks(self, reqs: list[Request]) -> torch.Tensor | None:
+        rows = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return None
+        bitmask = self.grammar.allocate_bitmask(len(reqs))
+        self.grammar.fill_bitmask(rows, bitmask)
+        return bitmask
+
+    def _update(self, batch: Batch, tokens: list[int]) -> None:
+        for c in batch.chunks:
+            c.request.num_computed += c.num_new
+        for c, tok in zip(batch.sampling_chunks, tokens):
+            r = c.request
+            r.token_ids.append(tok)
+            if r.matcher is not None and not r.matcher.accept_tokens([tok]):
+                self._emit(r, [tok])
+                self.abort(r, "abort", f"grammar rejected sampled token {tok}", "GrammarError")
+                continue
+            self._emit(r, [tok])
+            if self._check_stop(r, [tok]):
+                continue
+            self._fast_forward(r)
+            self._check_stop(r, [])
+
+    def _emit(self, r: Request, toks: list[int]) -> None:
+        delta = r.detok.push(toks)
+        if delta and r.on_delta is not None:
+            r.on_delta(delta)
+
+    def _check_stop(self, r: Request, new: list[int]) -> bool:
+        p = r.params
+        reason = None
+        if new and not p.ignore_eos and new[-1] in self.eos_token_ids:
+            reason = "stop"
+        elif new and new[-1] in p.stop_token_ids:
+            reason = "stop"
+        elif r.matcher is not None and r.matcher.is_finished():
+            reason = "stop"
+        elif p.stop and any(s in r.detok.text[-(len(s) + 64):] for s in p.stop):
+            reason = "stop"
+        elif r.num_output >= p.max_tokens or r.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return False
+        self.scheduler.finish(r, reason)
+        self.finished_queue.append(r)
+        return True
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        holders = list(self.scheduler.running) + list(getattr(self, "extra_page_holders", []))
+        self.kv.check_integrity(holders)
+
+    def run(self, requests: list[Request]) -> None:
+        for r in requests:
+            self.add(r)
+        while any(not r.finished for r in requests):
+            self.step()

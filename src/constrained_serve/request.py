@@ -1,0 +1,81 @@
+"""A request's state, tracked by counters rather than phases.
+
+``token_ids`` is prompt + everything generated or forced so far; ``num_computed`` tokens have
+their KV in the cache (``num_cached`` of those came from the prefix cache). The tokens still to
+feed are ``token_ids[num_computed:]``: the rest of a prompt (chunked prefill), the one token
+sampled last step (decode), or that token plus forced tokens (fast-forward). Preemption just
+resets ``num_computed``; multi-turn append is a prompt that starts with cached history.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from .params import OutputSpec, SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted (or preempted): holds no pages
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: OutputSpec | None = None
+    seed: int = 0
+    index: int = 0  # position in the caller's input list
+    request_id: int = field(default_factory=lambda: next(_ids))
+
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens served by the prefix cache at (first) admission
+    pages: list[int] = field(default_factory=list)
+    cache_node: Any = None  # locked radix node matched at admission
+    status: Status = Status.WAITING
+
+    # grammar
+    grammar_future: Any = None
+    matcher: Any = None
+    num_forced: int = 0
+
+    finish_reason: str | None = None
+    error: str | None = None
+    error_type: str | None = None
+    num_preemptions: int = 0
+    detok: Any = None
+    on_delta: Any = None  # callable(str) for streaming
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

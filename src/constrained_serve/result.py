@@ -1,0 +1,48 @@
+"""What ``generate`` returns: one ``Result`` per input, in input order."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    completion_tokens: int = 0  # every output token, forced ones included
+    forced_tokens: int = 0  # output tokens the grammar forced (fast-forward, no decode step)
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                    completion_tokens=self.completion_tokens, forced_tokens=self.forced_tokens)
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    usage: Usage = field(default_factory=Usage)
+    json: Any = None  # the parsed JSON value, for JSON outputs that completed
+    parsed: Any = None  # the Pydantic instance (or regex/grammar text) when complete
+    error: str | None = None  # why json/parsed are missing (truncated, invalid spec, ...)
+    error_type: str | None = None
+    index: int = 0  # position in the input list
+    prompt: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_reason == "stop"
+
+    def __repr__(self) -> str:
+        try:
+            from .display import result_repr_text
+        except ImportError:  # display helpers not available: a plain, still useful repr
+            return (f"Result(finish_reason={self.finish_reason!r}, text={self.text[:80]!r}, "
+                    f"usage={self.usage}, error={self.error!r})")
+        return result_repr_text(self)
+
+    def _repr_html_(self) -> str:
+        from .display import result_repr_html
+
+        return result_repr_html(self)

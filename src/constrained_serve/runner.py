@@ -1,0 +1,124 @@
+"""Batch -> tensors -> forward -> logits.
+
+The runner owns the model and the KV page tensors. ``prepare`` turns a scheduled batch into
+flat input tensors (host work, done before the forward is launched); ``forward`` runs the
+model and returns logits for the rows that sample only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.attention import AttentionMetadata
+from .models.llama import LlamaModel
+from .request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """One sequence's share of a step: ``num_new`` tokens from ``request.num_computed`` on."""
+
+    request: Request
+    num_new: int
+    sample: bool  # the chunk reaches the end of the known tokens: its last row samples
+
+
+@dataclass
+class Batch:
+    chunks: list[ScheduledChunk]  # decode chunks (num_new == 1) first, then prefill chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks)
+
+    @property
+    def sampling_chunks(self) -> list[ScheduledChunk]:
+        return [c for c in self.chunks if c.sample]
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+@dataclass
+class ForwardInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_pages: int, page_size: int, device: torch.device,
+                 kv_dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = device
+        self.page_size = page_size
+        self.num_pages = num_pages
+        a = model.arch
+        shape = (num_pages, page_size, a.num_kv_heads, a.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
+                           torch.zeros(shape, dtype=kv_dtype, device=device)) for _ in range(a.num_layers)]
+        self.tokens_computed = 0  # total tokens run through the model (tests assert on it)
+
+    @staticmethod
+    def kv_bytes_per_token(model: LlamaModel, kv_dtype: torch.dtype) -> int:
+        a = model.arch
+        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+
+    def prepare(self, batch: Batch) -> ForwardInputs:
+        ps = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        max_pages = 1
+        num_decodes = 0
+        for c in batch.chunks:
+            r = c.request
+            start, end = r.num_computed, r.num_computed + c.num_new
+            input_ids.extend(r.token_ids[start:end])
+            positions.extend(range(start, end))
+            pages = r.pages
+            slots.extend(pages[p // ps] * ps + p % ps for p in range(start, end))
+            q_lens.append(c.num_new)
+            seq_lens.append(end)
+            if c.num_new == 1 and num_decodes == len(q_lens) - 1:
+                num_decodes += 1
+            if c.sample:
+                logits_idx.append(len(input_ids) - 1)
+            max_pages = max(max_pages, -(-end // ps))
+        block_tables = torch.zeros((len(batch.chunks), max_pages), dtype=torch.int32)
+        for i, c in enumerate(batch.chunks):
+            n = -(-seq_lens[i] // ps)
+            block_tables[i, :n] = torch.tensor(c.request.pages[:n], dtype=torch.int32)
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        dev = self.device
+        nb = dev.type == "cuda"
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=nb),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=nb),
+            block_tables=block_tables.to(dev, non_blocking=nb),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=nb),
+            num_decodes=num_decodes,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_host=q_lens,
+            seq_lens_host=seq_lens,
+        )
+        return ForwardInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=nb),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=nb),
+            meta=meta,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=nb),
+        )
+
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """Logits [num_sampling_rows, vocab] (fp32). On CUDA this returns before the GPU is done."""
+        self.tokens_computed += int(inputs.input_ids.shape[0])
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                          inputs.logits_indices)

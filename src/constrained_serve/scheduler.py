@@ -1,0 +1,108 @@
+"""Continuous batching with a per-step token budget and stall-free chunked prefill.
+
+Each step: running requests with one pending token (decodes) first, oldest first; then
+running requests with several pending tokens (unfinished prefills, fast-forwarded tokens);
+then waiting requests are admitted in order while the token budget, ``max_num_seqs`` and the
+page pool allow. A long prompt therefore takes only what the decodes leave over and never
+freezes them (Sarathi-Serve). When pages run out, the KV manager first evicts unused cached
+prefixes; if that is not enough the newest running request is preempted (its pages freed,
+recomputed later) — never a deadlock, never a crash.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from .cache.manager import KVCacheManager
+from .request import Request, Status
+from .runner import Batch, ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order (oldest first)
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> Batch:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[int, ScheduledChunk] = {}
+        order: list[Request] = [r for r in self.running if r.num_pending == 1]
+        order += [r for r in self.running if r.num_pending > 1]
+        for r in order:
+            if budget <= 0:
+                break
+            if r.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(r.num_pending, budget)
+            if not self._reserve(r, r.num_computed + n, scheduled):
+                continue  # r itself was preempted
+            scheduled[r.request_id] = ScheduledChunk(r, n, sample=(n == r.num_pending))
+            budget -= n
+        self._admit(budget, scheduled)
+        chunks = list(scheduled.values())
+        # Decode chunks first: the attention kernels take them as one group.
+        chunks.sort(key=lambda c: c.num_new != 1)
+        return Batch(chunks)
+
+    def _reserve(self, r: Request, num_tokens: int, scheduled: dict[int, ScheduledChunk]) -> bool:
+        """Make r hold pages for num_tokens, preempting the newest unscheduled runners if needed."""
+        while not self.kv.ensure_pages(r, num_tokens):
+            victim = next((v for v in reversed(self.running) if v.request_id not in scheduled and v is not r), None)
+            if victim is None:
+                self._preempt(r)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _admit(self, budget: int, scheduled: dict[int, ScheduledChunk]) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            r = self.waiting.popleft()
+            if r.grammar_future is not None and not r.grammar_future.done():
+                skipped.append(r)  # its grammar is compiling: let the others go ahead
+                continue
+            self.kv.match_prefix(r)
+            n = min(r.num_pending, budget)
+            if not self.kv.ensure_pages(r, r.num_computed + n):
+                self.kv.release(r, cache_tokens=False)
+                self.waiting.appendleft(r)
+                break
+            r.status = Status.RUNNING
+            self.running.append(r)
+            scheduled[r.request_id] = ScheduledChunk(r, n, sample=(n == r.num_pending))
+            budget -= n
+        for r in reversed(skipped):
+            self.waiting.appendleft(r)
+
+    def _preempt(self, r: Request) -> None:
+        logger.debug("preempting request %d (%d tokens)", r.request_id, r.num_tokens)
+        self.kv.release(r, cache_tokens=True)
+        r.num_computed = 0
+        r.status = Status.WAITING
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        if r.status is Status.RUNNING:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self.kv.release(r, cache_tokens=True)
+        r.status = Status.FINISHED
