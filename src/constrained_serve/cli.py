@@ -24,7 +24,7 @@ Each input line is a JSON object; the text sent to the model is its --field (def
   {"id": ..., "error": {"type": ..., "message": ...}}
 Error types: invalid_json, invalid_utf8, not_object, invalid_id, missing_field, truncated
 (output cut at --max-tokens; the row also has "text" with the partial output), and the
-engine's own (e.g. a prompt too long for the model). --errors FILE sends error rows there.
+engine's own (e.g. prompt_too_long). --errors FILE sends error rows there.
 
 Rerunning with the same -o resumes: ids already in the output (or --errors file) are
 skipped, and a partial last line left by a crash is removed first. The id is the input's
@@ -93,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
+    """Run the command line ``argv`` (default: sys.argv). ``engine``: an Engine to use
+    instead of loading one (from Python: a notebook or a test that already has one)."""
     args = build_parser().parse_args(argv)
+    args.engine = engine
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="constrained-serve: %(message)s"
     )
@@ -130,6 +133,8 @@ def _sampling(args: argparse.Namespace) -> Any:
 
 
 def _load_engine(args: argparse.Namespace) -> Any:
+    if args.engine is not None:
+        return args.engine
     if args.max_num_seqs < 1:
         raise SetupError("--max-num-seqs must be at least 1")
     try:

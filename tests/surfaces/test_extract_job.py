@@ -201,7 +201,9 @@ def test_result_rows() -> None:
     cut_text = result_row("c", fake_result("20", finish="length"), json_output=False)
     assert cut_text["error"]["type"] == TRUNCATED and "max-tokens" in cut_text["error"]["message"]
     too_long = result_row("d", fake_result(finish="abort", error="prompt too long", error_type="PromptTooLongError"), json_output=True)
-    assert too_long["error"] == {"type": "PromptTooLongError", "message": "prompt too long"}
+    assert too_long["error"] == {"type": "prompt_too_long", "message": "prompt too long"}
+    bad = result_row("e", fake_result("{}", finish="stop", error="does not parse", error_type="JSONDecodeError"), json_output=True)
+    assert bad["error"]["type"] == "json_decode"
 
 
 def test_job_stats_summary() -> None:
