@@ -45,6 +45,7 @@ class EngineCore:
         self.num_steps = 0
         self.check_each_step = False  # tests turn this on: integrity check after every step
         self.finished_queue: list[Request] = []
+        self.page_holders: set = set()  # open conversations pinning cached pages
 
     # ------------------------------------------------------------------ requests
     def add(self, r: Request) -> None:
@@ -181,8 +182,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
-        holders = list(self.scheduler.running) + list(getattr(self, "extra_page_holders", []))
-        self.kv.check_integrity(holders)
+        self.kv.check_integrity(list(self.scheduler.running) + list(self.page_holders))
 
     def run(self, requests: list[Request]) -> None:
         for r in requests:

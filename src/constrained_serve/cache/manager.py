@@ -65,11 +65,13 @@ class KVCacheManager:
         self.pool.decref(r.pages)
         r.pages = []
 
-    def check_integrity(self, running: list[Request]) -> None:
-        """free + cached-only + in use by requests == total (tests call this after every step)."""
+    def check_integrity(self, holders: list) -> None:
+        """free + cached-only + in use by requests == total (tests call this after every step).
+
+        ``holders``: running requests and open conversations (anything with ``.pages``)."""
         self.pool.check_integrity()
         in_use = set()
-        for r in running:
+        for r in holders:
             assert len(set(r.pages)) == len(r.pages), "a request holds a page twice"
             in_use.update(r.pages)
         if self.radix is not None:

@@ -84,6 +84,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
         super().__init__()
+        with torch.device("cpu"):  # real tables even when the model is built on the meta device
+            cos, sin = self._tables(hf_config, head_dim, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @staticmethod
+    def _tables(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "default":
@@ -99,8 +106,7 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(pos, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        return emb.cos() * scaling, emb.sin() * scaling
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half convention (as HF Llama/Qwen)."""

@@ -254,10 +254,9 @@ def build_model(src: ModelSource, hf_config, dtype: torch.dtype, device: torch.d
                 load_format: str = "auto", max_positions: int | None = None) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(hf_config, max_positions=max_positions)
-    model = model.to_empty(device="cpu")
-    # Buffers built on meta must be recomputed for real.
-    model.rotary.__init__(hf_config, model.arch.head_dim, max_positions or model.arch.max_position_embeddings)
-    model = model.to(dtype)
+    # The rotary tables were computed on CPU for real; to_empty would wipe them.
+    cos, sin = model.rotary.cos.clone(), model.rotary.sin.clone()
+    model = model.to_empty(device="cpu").to(dtype)
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "auto":
@@ -267,8 +266,7 @@ def build_model(src: ModelSource, hf_config, dtype: torch.dtype, device: torch.d
             _fuse_and_load(model, iter_safetensors(src.folder))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
+    model.rotary.cos, model.rotary.sin = cos, sin  # kept fp32 whatever the model dtype
     return model.to(device).eval()
 
 

@@ -1,0 +1,130 @@
+"""Multi-turn conversations that append to the cached KV instead of recomputing history.
+
+A conversation keeps the exact token ids of its history (prompt + generated tokens, with the
+chat template's turn delimiters) and never re-tokenizes earlier text. A new turn is rendered
+by the chat template as the difference between the conversation with and without it, and
+only that difference is tokenized and appended. The radix cache then matches the whole
+history, so only the new turn is prefilled. While the conversation is open its history is
+locked against eviction, up to ``conversation_lock_fraction`` of the pool; past that it is
+left evictable (a later turn recomputes what was evicted, never fails).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .params import SamplingParams
+from .result import Result
+
+if TYPE_CHECKING:
+    from .api import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class Conversation:
+    def __init__(self, engine: "Engine", system: str | None = None, params: SamplingParams | None = None) -> None:
+        self.engine = engine
+        self.params = params or SamplingParams()
+        self.history: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        self.token_ids: list[int] = []  # the exact history, as the model saw and wrote it
+        self.pages: list[int] = []  # pages this conversation pins (one pool ref each)
+        self._node = None
+        self.closed = False
+        engine.core.page_holders.add(self)
+
+    # ------------------------------------------------------------------ turns
+    def next_turn_ids(self, content: str) -> list[int]:
+        """Token ids of history + the new user turn + the generation prompt."""
+        if self.closed:
+            raise ValueError("conversation is closed")
+        msgs = self.history + [{"role": "user", "content": content}]
+        if not self.token_ids:
+            return self.engine.encode_chat(msgs)
+        prev = self.engine.render_chat(self.history, add_generation_prompt=False)
+        full = self.engine.render_chat(msgs, add_generation_prompt=True)
+        if not full.startswith(prev):
+            raise ValueError("the chat template does not render this conversation as an append-only text")
+        # What the template puts after the end-of-turn token the model generated (e.g. "\n").
+        eos_text = self.engine.tokenizer.decode([self.token_ids[-1]])
+        cut = prev.rfind(eos_text) if eos_text else -1
+        delimiter = prev[cut + len(eos_text):] if cut >= 0 else ""
+        new = self.engine.tokenizer(delimiter + full[len(prev):], add_special_tokens=False)["input_ids"]
+        return self.token_ids + list(new)
+
+    def send(self, content: str, params: SamplingParams | None = None, **spec_kwargs: Any) -> Result:
+        [res] = send_many([self], [content], params, **spec_kwargs)
+        return res
+
+    def commit(self, content: str, prompt_ids: list[int], res: Result) -> None:
+        """Record a finished turn (called by send_many)."""
+        if res.finish_reason == "abort" and not res.token_ids:
+            return  # nothing happened: the history stays as it was
+        ids = list(prompt_ids) + list(res.token_ids)
+        eos = self.engine.tokenizer.eos_token_id
+        if not res.token_ids or res.token_ids[-1] not in self.engine.core.eos_token_ids:
+            # Truncated or stopped by a stop string: close the turn so the template stays valid.
+            ids.append(eos)
+        self.token_ids = ids
+        self.history.append({"role": "user", "content": content})
+        self.history.append({"role": "assistant", "content": res.text})
+        self._pin()
+
+    # ------------------------------------------------------------------ pinning
+    def _pin(self) -> None:
+        """Lock the cached history so eviction cannot take it while the conversation is open."""
+        self._unpin()
+        kv = self.engine.kv
+        if kv.radix is None:
+            return
+        m = kv.radix.match_prefix(self.token_ids)
+        if m.num_tokens == 0:
+            return
+        pinned = sum(len(c.pages) for c in self.engine.core.page_holders if c is not self)
+        limit = int(self.engine.config.conversation_lock_fraction * kv.pool.num_pages)
+        if pinned + len(m.pages) > limit:
+            logger.info("conversation history not pinned: pinned pages would exceed %d", limit)
+            return
+        kv.radix.lock(m.node)
+        kv.pool.incref(m.pages)
+        self._node, self.pages = m.node, list(m.pages)
+
+    def _unpin(self) -> None:
+        if self._node is not None:
+            self.engine.kv.radix.unlock(self._node)
+            self.engine.kv.pool.decref(self.pages)
+        self._node, self.pages = None, []
+
+    def close(self) -> None:
+        if not self.closed:
+            self._unpin()
+            self.engine.core.page_holders.discard(self)
+            self.closed = True
+
+    def __enter__(self) -> "Conversation":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort; close() is the real API
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def send_many(conversations: Sequence[Conversation], contents: Sequence[str],
+              params: SamplingParams | None = None, **spec_kwargs: Any) -> list[Result]:
+    """One turn for each conversation, all decoded together in one batch."""
+    if len(conversations) != len(contents):
+        raise ValueError("conversations and contents must have the same length")
+    if len({id(c) for c in conversations}) != len(conversations):
+        raise ValueError("a conversation can take only one turn at a time")
+    engine = conversations[0].engine
+    ids = [c.next_turn_ids(m) for c, m in zip(conversations, contents)]
+    params = params or conversations[0].params
+    results = engine.generate(ids, params, **spec_kwargs)
+    for c, m, p, res in zip(conversations, contents, ids, results):
+        c.commit(m, p, res)
+    return results

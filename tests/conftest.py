@@ -1,0 +1,89 @@
+"""Shared fixtures. TRITON_INTERPRET must be set before anything defines the Triton kernels,
+so the kernel tests run on CPU through the interpreter."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Two cores: one intra-op thread for the model leaves the other to grammar/mask threads and
+# keeps timings steady. Tests that need more set it themselves.
+torch.set_num_threads(int(os.environ.get("CS_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from constrained_serve.models.loader import default_model_dir as d
+
+    try:
+        return d()
+    except ValueError as e:
+        pytest.fail(f"the default model is missing ({e}); run `make setup`")
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_model_dir):
+    """One Engine on the real default model, shared by the slow end-to-end tests."""
+    from constrained_serve import Engine
+
+    return Engine(max_num_seqs=32)
+
+
+def _save_tiny(tmp_path_factory, name, config, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Larger-than-init weights make the logits sensitive to any mistake in our forward.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    d = tmp_path_factory.mktemp(name)
+    model.save_pretrained(str(d), safe_serialization=True)
+    tokenizer.save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_tokenizer):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=len(default_tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 256},
+                      bos_token_id=1, eos_token_id=2)
+    return _save_tiny(tmp_path_factory, "tiny_llama", cfg, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, default_tokenizer):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=len(default_tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return _save_tiny(tmp_path_factory, "tiny_qwen3", cfg, default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(tiny_llama_dir):
+    """Build Engines on the tiny Llama checkpoint (fast: tests of scheduling and caching)."""
+    from constrained_serve import Engine
+
+    def make(**kw):
+        kw.setdefault("max_num_seqs", 16)
+        return Engine(model=str(tiny_llama_dir), **kw)
+
+    return make

@@ -1,0 +1,101 @@
+"""Our forward equals HF transformers' for the same weights (fp32)."""
+import pytest
+import torch
+
+from constrained_serve.models import loader
+from constrained_serve.params import SamplingParams
+from constrained_serve.request import Request
+from constrained_serve.runner import Batch, ModelRunner, ScheduledChunk
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time, in a land far away, there lived"]
+
+
+def _our_logits(folder, tok, prompts, chunk=5):
+    """Mixed batches: chunked prefill of every prompt, then one decode step each."""
+    src = loader.resolve_model(str(folder))
+    cfg, _ = loader.load_config_and_tokenizer(src)
+    model = loader.build_model(src, cfg, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, 64, 16, torch.device("cpu"), torch.float32)
+    reqs = []
+    next_page = 0
+    for p in prompts:
+        r = Request(tok(p, add_special_tokens=False)["input_ids"], SamplingParams())
+        r.pages = list(range(next_page, next_page + 4))
+        next_page += 4
+        reqs.append(r)
+    last = {}
+    while any(r.num_pending for r in reqs):
+        chunks = []
+        for r in reqs:
+            if r.num_pending:
+                n = min(chunk, r.num_pending)
+                chunks.append(ScheduledChunk(r, n, sample=(n == r.num_pending)))
+        chunks.sort(key=lambda c: c.num_new != 1)
+        logits = runner.forward(runner.prepare(Batch(chunks)))
+        for c, row in zip([c for c in chunks if c.sample], logits):
+            last[c.request.request_id] = row
+        for c in chunks:
+            c.request.num_computed += c.num_new
+    # One decode step for all, appending the greedy token.
+    for r in reqs:
+        r.token_ids.append(int(last[r.request_id].argmax()))
+    chunks = [ScheduledChunk(r, 1, True) for r in reqs]
+    dec = runner.forward(runner.prepare(Batch(chunks)))
+    return reqs, [last[r.request_id] for r in reqs], dec
+
+
+def _hf_logits(folder, ids, gguf=None):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("which", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_tiny_logits_match_hf(which, request, default_tokenizer):
+    folder = request.getfixturevalue(which)
+    reqs, prefill, decode = _our_logits(folder, default_tokenizer, PROMPTS)
+    for r, pre, dec in zip(reqs, prefill, decode):
+        ref = _hf_logits(folder, r.token_ids)
+        assert (pre - ref[-2]).abs().max().item() < 1e-4
+        assert (dec - ref[-1]).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
+def test_default_model_logits_match_hf_gguf(default_model_dir, default_tokenizer):
+    """Against HF's own GGUF loader (independent dequantization and q/k un-permutation)."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = loader.default_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    reqs, prefill, decode = _our_logits(default_model_dir, default_tokenizer, PROMPTS)
+    for r, pre, dec in zip(reqs, prefill, decode):
+        with torch.no_grad():
+            ref = hf(torch.tensor([r.token_ids])).logits[0]
+        assert (pre - ref[-2]).abs().max().item() < 1e-3
+        assert (dec - ref[-1]).abs().max().item() < 1e-3
+        assert int(pre.argmax()) == int(ref[-2].argmax())
+        assert int(dec.argmax()) == int(ref[-1].argmax())
+
+
+def test_gguf_file_loads_directly():
+    """A .gguf path is accepted as the model (dequantized on load)."""
+    src = loader.resolve_model(str(loader.default_gguf_path()))
+    assert src.gguf is not None
+
+
+def test_missing_model_path_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        loader.resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="config.json"):
+        loader.resolve_model(str(tmp_path))
+
+
+def test_dummy_load_format_is_deterministic(tiny_llama_dir):
+    src = loader.resolve_model(str(tiny_llama_dir))
+    cfg, _ = loader.load_config_and_tokenizer(src)
+    a = loader.build_model(src, cfg, torch.float32, torch.device("cpu"), "dummy")
+    b = loader.build_model(src, cfg, torch.float32, torch.device("cpu"), "dummy")
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n

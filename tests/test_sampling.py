@@ -1,0 +1,95 @@
+"""Sampling parameters: validation, seeds, stop strings, stop tokens, max_tokens."""
+import pytest
+
+from constrained_serve import SamplingParams
+from constrained_serve.kernels.sampling import sample_torch
+from constrained_serve.sampler import step_seed
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=1.0), "min_p"), (dict(stop=[""]), "stop"),
+])
+def test_bad_sampling_params_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_bad_engine_args_name_the_argument(tiny_llama_dir):
+    from constrained_serve import Engine
+
+    with pytest.raises(ValueError, match="device"):
+        Engine(model=str(tiny_llama_dir), device="tpu")
+    with pytest.raises(ValueError, match="model"):
+        Engine(model="/nonexistent/model/dir")
+
+
+def test_seeded_sampling_is_batch_independent(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = eng.generate("Tell me a story", p)[0].token_ids
+    others = ["x " * n for n in range(1, 6)]
+    mixed = eng.generate(others[:2] + ["Tell me a story"] + others[2:], p)
+    assert mixed[2].token_ids == alone
+    again = eng.generate(["Tell me a story"] * 3, p)
+    assert all(r.token_ids == alone for r in again)
+    other_seed = eng.generate("Tell me a story", SamplingParams(**{**p.__dict__, "seed": 99}))[0].token_ids
+    assert other_seed != alone
+
+
+def test_unseeded_sampling_varies(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    p = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    outs = {tuple(r.token_ids) for r in eng.generate(["Tell me a story"] * 4, p)}
+    assert len(outs) > 1
+
+
+def test_stop_strings_cut_the_text(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    free = eng.generate("Once upon", SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert len(free.text) > 6
+    stop = free.text[4:7]
+    r = eng.generate("Once upon", SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert r.finish_reason == "stop"
+    assert stop not in r.text
+    assert free.text.startswith(r.text)
+
+
+def test_stop_token_ids_and_max_tokens(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    free = eng.generate("Once upon", SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    tok = free.token_ids[3]
+    r = eng.generate("Once upon", SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[tok]))[0]
+    assert r.finish_reason == "stop" and r.token_ids[-1] == tok and tok not in r.token_ids[:-1]
+
+
+def test_sampler_filters():
+    import torch
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    z = torch.zeros(4)
+    greedy = sample_torch(logits.clone(), None, z, torch.zeros(4, dtype=torch.int32), z + 1, z,
+                          torch.arange(4), all_greedy=False)
+    assert torch.equal(greedy, logits.argmax(-1))
+    # top_k=1 at any temperature is greedy; min_p close to 1 keeps only the argmax.
+    t = torch.ones(4)
+    k1 = sample_torch(logits.clone(), None, t, torch.ones(4, dtype=torch.int32), t, z, torch.arange(4))
+    assert torch.equal(k1, logits.argmax(-1))
+    mp = sample_torch(logits.clone(), None, t, torch.zeros(4, dtype=torch.int32), t, z + 0.999, torch.arange(4))
+    assert torch.equal(mp, logits.argmax(-1))
+    # top_p: tokens outside the nucleus are never drawn.
+    probs = torch.softmax(logits[0], -1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    for s in range(200):
+        tok = sample_torch(logits[:1].clone(), None, t[:1], torch.zeros(1, dtype=torch.int32),
+                           torch.tensor([0.5]), z[:1], torch.tensor([step_seed(s, 0)]))
+        assert int(tok) in nucleus
+
+
+def test_step_seed_mixes():
+    seeds = {step_seed(s, p) for s in range(20) for p in range(20)}
+    assert len(seeds) == 400
