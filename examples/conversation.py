@@ -18,8 +18,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens)
 
     engine = Engine()
-    conv = engine.conversation(system="You are a friendly assistant in a bicycle shop. Answer in one or two sentences.")
-    try:
+    system = "You are a friendly assistant in a bicycle shop. Answer in one or two sentences."
+    with engine.conversation(system=system) as conv:  # close() releases the pinned history
         for message in [
             "Hi! I ride 8 km to work on city streets. What kind of bike should I look at?",
             "What about rainy days?",
@@ -30,9 +30,6 @@ def main() -> None:
             print(f"user: {message}\nassistant: {r.text.strip()}")
             print(f"  [prompt {u.prompt_tokens} tokens, {u.cached_tokens} from cache, {u.completion_tokens} generated]\n")
         print(f"{len(conv.history)} messages in the history")
-    finally:
-        conv.close()
-
 
 if __name__ == "__main__":
     main()

@@ -33,7 +33,7 @@ def test_pydantic_extraction(python) -> None:
 
 
 def test_regex(python) -> None:
-    out = run(python, "regex.py")
+    out = run(python, "regex_patterns.py")
     assert len(re.findall(r"\(matches: True\)", out)) >= 5  # a cut-off output may not match; most must
 
 

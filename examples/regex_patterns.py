@@ -1,6 +1,6 @@
 """Regex-constrained generation: normalize messy dates to ISO 8601 and phone numbers to E.164.
 
-    python examples/regex.py [--max-tokens N]
+    python examples/regex_patterns.py [--max-tokens N]
 """
 from __future__ import annotations
 
