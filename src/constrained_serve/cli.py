@@ -37,7 +37,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schema", metavar="FILE|MODULE:MODEL", help="JSON Schema file, or a Pydantic model to import")
     g.add_argument("--regex", metavar="REGEX", help="the output matches this regular expression")
     g.add_argument("--grammar", metavar="FILE", help="a Lark grammar file (see grammars/)")
-    g.add_argument("--grammar-syntax", default="lark", choices=("lark", "ebnf"), help="syntax of --grammar")
+    g.add_argument("--grammar-syntax", default="lark", choices=("lark", "ebnf", "gbnf"), help="syntax of --grammar")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -109,6 +109,15 @@ def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
     except KeyboardInterrupt:
         print("constrained-serve: interrupted; rows written so far are kept (rerun to resume)", file=sys.stderr)
         return 130
+    except Exception as e:  # a failure mid-run: say so in one line, keep the traceback for -v
+        logger.debug("traceback", exc_info=True)
+        hint = "; rows written so far are kept (rerun to resume)" if args.command == "extract" else ""
+        print(f"constrained-serve: error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        return 1
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,15 +15,20 @@ _MAX_ROWS = 50  # table rows shown before eliding
 
 
 def _value(result: Any) -> tuple[str, Any]:
-    """(kind, value): the richest view of the output the result has."""
+    """(kind, value): the richest view of the output the result has.
+
+    ``parsed`` is a Pydantic instance for a model schema, the JSON value itself for a plain
+    JSON Schema, and the text for regex / grammar outputs; only the first is worth a label.
+    """
     parsed = getattr(result, "parsed", None)
-    # For regex / grammar outputs ``parsed`` is the text itself: show it as text.
-    if parsed is not None and not isinstance(parsed, str):
-        dump = getattr(parsed, "model_dump", None)
-        return type(parsed).__name__, dump(mode="json") if callable(dump) else parsed
     value = getattr(result, "json", None)
+    dump = getattr(parsed, "model_dump", None)
+    if callable(dump):
+        return type(parsed).__name__, dump(mode="json")
     if value is not None:
         return "json", value
+    if parsed is not None and not isinstance(parsed, str):  # e.g. a TypeAdapter-validated type
+        return type(parsed).__name__, parsed
     return "text", getattr(result, "text", "") or ""
 
 

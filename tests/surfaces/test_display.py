@@ -100,3 +100,10 @@ def test_display_of_a_real_result(engine) -> None:
     if r.parsed is not None:
         assert "Ticket" in html and "<table>" in html
     assert r.finish_reason in html and f"{r.usage.prompt_tokens} prompt" in html
+
+
+def test_plain_json_schema_result_is_labelled_json() -> None:
+    value = {"a": 1}
+    r = Result(text='{"a": 1}', token_ids=[], finish_reason="stop", json=value, parsed=value)
+    assert result_repr_text(r).startswith('Result({"a": 1}')
+    assert "<b>json</b>" in result_repr_html(r)
