@@ -22,11 +22,10 @@ def subprocess_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def engine():
-    """One default-model Engine for every in-process model test (loading takes a while)."""
-    from constrained_serve import Engine
-
-    return Engine()
+def engine(default_engine):
+    """The session's default-model Engine (tests/conftest.py), shared with the engine tests:
+    loading the model is the slowest part of these tests, so it happens once."""
+    return default_engine
 
 
 @pytest.fixture(scope="session")
