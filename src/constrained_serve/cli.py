@@ -13,7 +13,7 @@ import sys
 from typing import Any, Sequence
 
 from . import __version__
-from .cli_specs import OutputSpecArgs, SetupError, build_spec, default_instructions
+from .cli_specs import OutputSpecArgs, SetupError, build_spec, default_instructions, describe_schema
 
 logger = logging.getLogger("constrained_serve.cli")
 
@@ -262,8 +262,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = _load_engine(args)
     instructions = args.instructions
     if instructions is None and spec.schema_json is not None:
-        schema = json.dumps(spec.schema_json, separators=(",", ":"), ensure_ascii=False)
-        instructions = f"Reply with one JSON value that follows this JSON Schema:\n{schema}"
+        instructions = f"Reply with {describe_schema(spec.schema_json)}"
     try:
         if args.raw:
             prompt = args.prompt if instructions is None else f"{instructions}\n\n{args.prompt}"

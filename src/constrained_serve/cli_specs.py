@@ -118,17 +118,53 @@ def build_spec(schema: str | None, regex: str | None, grammar: str | None, gramm
     return OutputSpecArgs({"schema": any_object}, True, any_object, "any JSON object")
 
 
+def _describe_field(prop: Any) -> str | None:
+    """Plain words for one simple property, or None when it is not simple."""
+    if not isinstance(prop, dict):
+        return None
+    note = f" ({prop['description']})" if isinstance(prop.get("description"), str) else ""
+    if "enum" in prop and all(isinstance(v, (str, int, float, bool)) for v in prop["enum"]):
+        return "one of " + ", ".join(json.dumps(v) for v in prop["enum"]) + note
+    kind = prop.get("type")
+    if kind == "string":
+        return "text" + note
+    if kind in ("integer", "number"):
+        lo, hi = prop.get("minimum"), prop.get("maximum")
+        word = "a whole number" if kind == "integer" else "a number"
+        if lo is not None and hi is not None:
+            word += f" from {lo} to {hi}"
+        return word + note
+    if kind == "boolean":
+        return "true or false" + note
+    if kind == "array":
+        inner = _describe_field(prop.get("items", {}))
+        return f"a list, each {inner}{note}" if inner else None
+    return None
+
+
+def describe_schema(schema: Any) -> str:
+    """The schema in words for a flat object (what small models follow best: dumped JSON
+    Schema keywords tend to leak into the values), else the compact JSON Schema itself."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if isinstance(props, dict) and props:
+        lines = []
+        for name, prop in props.items():
+            words = _describe_field(prop)
+            if words is None:
+                break
+            lines.append(f"- {name}: {words}")
+        else:
+            return "a JSON object with these fields:\n" + "\n".join(lines)
+    return "JSON that follows this JSON Schema:\n" + json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
 def default_instructions(spec: OutputSpecArgs) -> str | None:
     """The system message used when --instructions is not given.
 
-    The grammar already forces the shape; telling the model the schema too (field names,
-    enums, descriptions) is what makes the *values* right. It is one shared prefix for
-    every row, so the prefix cache pays for it once.
+    The grammar already forces the shape; telling the model what the fields mean (names,
+    allowed values, descriptions) is what makes the *values* right. It is one shared
+    prefix for every row, so the prefix cache pays for it once.
     """
-    if spec.schema_json is None:
-        return None
-    schema = json.dumps(spec.schema_json, separators=(",", ":"), ensure_ascii=False)
-    return (
-        "Extract structured data from the user's text. Reply with one JSON value that "
-        f"follows this JSON Schema, using only facts stated in the text:\n{schema}"
-    )
+    if spec.schema_json is None or spec.schema_json == {"type": "object"}:
+        return "Extract the key facts from the user's text as a JSON object." if spec.schema_json else None
+    return f"Extract the facts stated in the user's text as {describe_schema(spec.schema_json)}"
