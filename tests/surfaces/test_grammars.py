@@ -12,7 +12,7 @@ from .conftest import GRAMMARS
 
 # Strings each grammar must accept (documentation as much as test data).
 EXAMPLES = {
-    "arith.lark": ["1 + 2 * 3", "-(4.5 - 2)^2 / 3", "2^3^2", "1 - -2", "(7)"],
+    "arith.lark": ["1 + 2 * 3", "-(4.5 - 2)^2 / 3", "2^3^2", "1 - -2", "(7)", "-(-2)", "2^-1"],
     "sql_select.lark": [
         "SELECT * FROM users",
         "SELECT DISTINCT city FROM users WHERE email IS NOT NULL AND name LIKE 'A%' AND id IN (1, 2, 3)",
@@ -27,16 +27,16 @@ EXAMPLES = {
     ],
 }
 REJECTS = {
-    "arith.lark": ["1 +", "1  + 2", "x"],
+    "arith.lark": ["1 +", "1  + 2", "x", "1 - --2"],
     "sql_select.lark": ["select * from users", "SELECT * FROM Users", "SELECT *  FROM users"],
     "csv.lark": ['"open', 'a"b'],
-    "function_call.lark": ["f(1)", 'f(x="a" y=1)'],
+    "function_call.lark": ["f(1)", 'f(x="a" y=1)', "f" * 41 + "()"],
 }
 PROMPTS = {
-    "arith.lark": "Write an arithmetic expression for the price of 3 apples at 2 dollars plus 4 pears at 1.5 dollars.",
+    "arith.lark": "Write an arithmetic expression for: three times the sum of four and five",
     "sql_select.lark": "Write a SQL query that selects the name and email of the users who live in Paris.",
     "csv.lark": "Write a CSV table of three fruits with the columns name,color,price.",
-    "function_call.lark": "Call the weather function for Paris in celsius.",
+    "function_call.lark": 'Call get_weather for Paris in celsius, like get_weather(city="Rome", unit="fahrenheit").',
 }
 
 
