@@ -245,10 +245,15 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 
 def _progress_bar(total: int | None, initial: int) -> Any:
+    import shutil
+
     from tqdm import tqdm
 
+    # A terminal that reports 0 columns (some ptys) would get an empty bar: fall back to 100.
+    width = shutil.get_terminal_size((100, 20)).columns or 100
     # total counts every non-blank input line; rows done by an earlier run start it off.
-    return tqdm(total=total, initial=min(initial, total) if total else 0, unit="row", dynamic_ncols=True, file=sys.stderr)
+    start = min(initial, total) if total else 0
+    return tqdm(total=total, initial=start, unit="row", ncols=width, file=sys.stderr, desc="extract")
 
 
 # ---------------------------------------------------------------------------------------
