@@ -306,6 +306,11 @@ def result_row(row_id: Any, result: Any, *, json_output: bool) -> dict[str, Any]
         row_err = _err(kind, error or "the request was aborted")
         return {"id": row_id, "error": row_err, "finish_reason": finish, "usage": usage}
     value = getattr(result, "json", None) if json_output else text
+    dump = getattr(getattr(result, "parsed", None), "model_dump", None)
+    if json_output and callable(dump):
+        # A Pydantic model's own view: a schema from model_json_schema() leaves
+        # additionalProperties open, so the raw JSON may hold keys the model ignores.
+        value = dump(mode="json")
     if finish == "length" and (not json_output or value is None):
         msg = error or f"output truncated at max_tokens ({usage['completion_tokens']} tokens); raise --max-tokens"
         return {"id": row_id, "error": {**_err(TRUNCATED, msg), "text": text}, "finish_reason": finish, "usage": usage}

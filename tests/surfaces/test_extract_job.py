@@ -206,6 +206,17 @@ def test_result_rows() -> None:
     assert bad["error"]["type"] == "json_decode"
 
 
+def test_pydantic_output_is_the_model_dump() -> None:
+    from pydantic import BaseModel
+
+    class M(BaseModel):
+        a: int
+
+    r = fake_result('{"a": 1, "extra": 2}', {"a": 1, "extra": 2})
+    r.parsed = M(a=1)
+    assert result_row(1, r, json_output=True)["output"] == {"a": 1}
+
+
 def test_job_stats_summary() -> None:
     st = JobStats()
     st.add({"id": 1, "output": 1, "usage": {"completion_tokens": 7, "prompt_tokens": 3, "cached_tokens": 1}})
