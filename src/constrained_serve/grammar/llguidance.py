@@ -1,0 +1,165 @@
+"""llguidance backend (the default): Earley parser + lazy lexer, masks computed on demand.
+
+Compilation builds one template ``LLMatcher`` per grammar (that is where llguidance parses
+the grammar and reports errors and warnings); each request gets a ``deep_copy`` of it,
+which is much cheaper than re-parsing the grammar.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Sequence
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from llguidance import LLExecutor, LLMatcher
+
+from ..errors import GrammarError
+from ..params import OutputSpec
+from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    backend_name = "llguidance"
+    __slots__ = ("_m", "_width", "_eos")
+
+    def __init__(self, matcher: LLMatcher, width: int, eos: frozenset[int]):
+        self._m = matcher
+        self._width = width
+        self._eos = eos
+
+    @property
+    def raw(self) -> LLMatcher:
+        return self._m
+
+    def accept_tokens(self, tokens: Sequence[int]) -> bool:
+        tokens = list(tokens)
+        if not tokens:
+            return True
+        if self._m.is_error():
+            return False
+        # try_consume_tokens stops at the first rejected token without entering the error
+        # state; undo the accepted prefix so a rejection leaves the state unchanged.
+        n = self._m.try_consume_tokens(tokens)
+        if n == len(tokens) - 1 and tokens[-1] in self._eos and self._m.is_stopped():
+            # A stopped matcher (only EOS left) reports EOS as not consumable by
+            # try_consume_tokens, yet consume_token takes it; EOS is never rejected there.
+            n += int(self._m.consume_token(tokens[-1]))
+        if n == len(tokens) and not self._m.is_error():
+            return True
+        if n and not self._m.is_error():
+            self._m.rollback(n)
+        return False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        _check_bitmask(bitmask, self._width)
+        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+    def forced_tokens(self) -> list[int]:
+        if self._m.is_stopped():
+            return []
+        # llguidance returns the canonical tokenization of the forced bytes and already
+        # holds back a final token that a longer token could extend.
+        return list(self._m.compute_ff_tokens())
+
+    def is_finished(self) -> bool:
+        return self._m.is_stopped()
+
+    def can_end(self) -> bool:
+        return not self._m.is_error() and self._m.is_accepting()
+
+    def rollback(self, n: int) -> None:
+        if n > 0 and not self._m.rollback(n):
+            raise ValueError(f"llguidance: cannot roll back {n} tokens: {self._m.get_error()}")
+
+    def error(self) -> str:
+        return self._m.get_error()
+
+
+def _check_bitmask(bitmask: torch.Tensor, width: int) -> None:
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[1] != width:
+        raise ValueError(f"bitmask must be int32 [rows, {width}], got {bitmask.dtype} {tuple(bitmask.shape)}")
+    if not bitmask.is_cpu or not bitmask.is_contiguous():
+        raise ValueError("bitmask must be a contiguous CPU tensor")
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None,
+                 num_threads: int = 2):
+        super().__init__(tokenizer, vocab_size, eos_token_ids)
+        self.width = bitmask_width(self.vocab_size)
+        # n_vocab = the model width: ids past the tokenizer's vocabulary are never allowed.
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_token_ids)
+        self._eos = frozenset(self.eos_token_ids)
+        self._executor = LLExecutor(num_threads=max(1, num_threads))
+
+    # -- compile -------------------------------------------------------------------------
+    def grammar_text(self, spec: OutputSpec) -> str:
+        """The llguidance grammar (JSON) for ``spec``; raises GrammarError on conversion errors."""
+        if spec.is_json:
+            options = {"whitespace_flexible": spec.whitespace,
+                       # lenient ignores unimplemented keywords (with a warning) instead of failing
+                       "lenient": not spec.strict}
+            if not spec.whitespace:
+                options.update(item_separator=",", key_separator=":")
+            try:
+                return LLMatcher.grammar_from_json_schema(spec.text, defaults=options)
+            except ValueError as e:
+                raise self._error(spec, str(e)) from e
+        if spec.kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.text)
+        if spec.kind == "lark":
+            return LLMatcher.grammar_from_lark(spec.text)
+        if spec.kind == "choices":
+            lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(spec.text))
+            return LLMatcher.grammar_from_lark(lark)
+        if spec.kind == "ebnf":
+            try:
+                return llguidance.grammar_from("gbnf", spec.text)
+            except ValueError as e:
+                raise self._error(spec, str(e)) from e
+        raise GrammarError(f"llguidance: unsupported output kind {spec.kind!r}", backend=self.name)
+
+    def compile(self, spec: OutputSpec) -> CompiledGrammar:
+        t0 = time.perf_counter()
+        grammar = self.grammar_text(spec)
+        template = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise self._error(spec, template.get_error())
+        warnings = list(template.get_grammar_warnings())
+        if warnings:
+            if spec.strict:
+                # The engine would accept the grammar but silently approximate part of it.
+                raise self._error(spec, "; ".join(warnings), prefix="would approximate the spec (strict=True)")
+            logger.warning("llguidance approximates %s spec: %s", spec.kind, "; ".join(warnings))
+        return CompiledGrammar(self.name, spec, template, time.perf_counter() - t0, warnings)
+
+    def _error(self, spec: OutputSpec, reason: str, prefix: str = "cannot compile") -> GrammarError:
+        snippet = spec.text if len(spec.text) <= 200 else spec.text[:200] + "..."
+        return GrammarError(f"llguidance {prefix} {spec.kind} {snippet!r}: {reason}",
+                            backend=self.name, reason=reason)
+
+    # -- matchers ------------------------------------------------------------------------
+    def new_matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(compiled.handle.deep_copy(), self.width, self._eos)
+
+    def fill_bitmasks(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
+        if not rows_and_matchers:
+            return
+        _check_bitmask(bitmask, self.width)
+        pairs = [(m.raw, row) for row, m in rows_and_matchers]  # type: ignore[attr-defined]
+        if len(pairs) == 1:
+            llguidance.torch.fill_next_token_bitmask(pairs[0][0], bitmask, pairs[0][1])
+        else:
+            # Rust thread pool, GIL released for the whole batch.
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)

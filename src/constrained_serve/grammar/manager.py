@@ -1,0 +1,158 @@
+"""Engine-level grammar service: cached, bounded, off-the-step-loop compilation, and masks.
+
+Compilation runs on a small thread pool so the scheduler never waits for it; each compile
+runs in its own daemon thread joined with a timeout, because neither engine can be
+interrupted: a runaway compile is abandoned (and logged), never waited for.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import GrammarError
+from ..params import OutputSpec
+from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GrammarManager", "BACKENDS"]
+
+BACKENDS = ("llguidance", "xgrammar")
+CacheKey = tuple[str, str, str, bool, bool]
+
+
+class GrammarManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, default_backend: str = "llguidance",
+                 max_workers: int = 2, cache_size: int = 256, eos_token_ids: Sequence[int] | None = None,
+                 compile_timeout_s: float = 10.0):
+        if default_backend not in BACKENDS:
+            raise ValueError(f"default_backend must be one of {BACKENDS}, got {default_backend!r}")
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.width = bitmask_width(self.vocab_size)
+        self.default_backend = default_backend
+        self.eos_token_ids = list(eos_token_ids or ())
+        self.cache_size = int(cache_size)
+        self.compile_timeout_s = float(compile_timeout_s)
+        self._max_workers = max(1, int(max_workers))
+        self._backends: dict[str, GrammarBackend] = {}
+        self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
+        # One in-flight future per key, so concurrent requests for one spec compile it once.
+        self._pending: dict[CacheKey, cf.Future] = {}
+        self._lock = threading.Lock()
+        self._pool = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
+        self.stats = {"hits": 0, "misses": 0, "compiles": 0}
+
+    # -- backends ------------------------------------------------------------------------
+    def backend(self, name: str | None = None) -> GrammarBackend:
+        """The backend object (created on first use: building tokenizer tables takes ~0.5 s)."""
+        name = name or self.default_backend
+        with self._lock:
+            b = self._backends.get(name)
+            if b is None:
+                b = self._backends[name] = self._make_backend(name)
+            return b
+
+    def _make_backend(self, name: str) -> GrammarBackend:
+        if name == "llguidance":
+            from .llguidance import LLGuidanceBackend
+            return LLGuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._max_workers)
+        if name == "xgrammar":
+            from .xgrammar import XGrammarBackend
+            return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._max_workers)
+        raise GrammarError(f"unknown grammar backend {name!r}; expected one of {BACKENDS}", backend=name)
+
+    # -- compile -------------------------------------------------------------------------
+    @staticmethod
+    def cache_key(spec: OutputSpec, backend: str) -> CacheKey:
+        return (backend, spec.kind, spec.text, spec.whitespace, spec.strict)
+
+    def compile_async(self, spec: OutputSpec, backend: str | None = None) -> cf.Future:
+        """A future of the ``CompiledGrammar``; ``.result()`` raises GrammarError on failure."""
+        name = backend or self.default_backend
+        if name not in BACKENDS:
+            fut: cf.Future = cf.Future()
+            fut.set_exception(GrammarError(f"unknown grammar backend {name!r}; expected one of {BACKENDS}",
+                                           backend=name))
+            return fut
+        key = self.cache_key(spec, name)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.stats["hits"] += 1
+                fut = cf.Future()
+                fut.set_result(hit)
+                return fut
+            pending = self._pending.get(key)
+            if pending is not None:
+                self.stats["hits"] += 1
+                return pending
+            self.stats["misses"] += 1
+            fut = self._pool.submit(self._compile_bounded, spec, name, key)
+            self._pending[key] = fut
+        return fut
+
+    def compile(self, spec: OutputSpec, backend: str | None = None) -> CompiledGrammar:
+        return self.compile_async(spec, backend).result()
+
+    def _compile_bounded(self, spec: OutputSpec, name: str, key: CacheKey) -> CompiledGrammar:
+        try:
+            b = self.backend(name)
+            box: dict[str, Any] = {}
+
+            def work() -> None:
+                try:
+                    box["ok"] = b.compile(spec)
+                except BaseException as e:  # surfaced below, in the caller's future
+                    box["err"] = e
+
+            t = threading.Thread(target=work, name=f"grammar-compile-{name}", daemon=True)
+            t.start()
+            t.join(self.compile_timeout_s)
+            if t.is_alive():
+                logger.warning("%s compile of %s spec exceeded %.1f s; abandoned", name, spec.kind,
+                               self.compile_timeout_s)
+                raise GrammarError(f"{name}: compiling the {spec.kind} spec took longer than "
+                                   f"{self.compile_timeout_s:g} s", backend=name, reason="timeout")
+            if "err" in box:
+                err = box["err"]
+                if isinstance(err, GrammarError):
+                    raise err
+                raise GrammarError(f"{name}: unexpected error compiling the {spec.kind} spec: {err!r}",
+                                   backend=name, reason=str(err)) from err
+            compiled: CompiledGrammar = box["ok"]
+            with self._lock:
+                self.stats["compiles"] += 1
+                self._cache[key] = compiled
+                self._cache.move_to_end(key)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            return compiled
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    # -- matchers and masks --------------------------------------------------------------
+    def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
+        return self.backend(compiled.backend).new_matcher(compiled)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """``[rows, ceil(vocab/32)]`` int32, all bits set (= no constraint)."""
+        return torch.full((rows, self.width), -1, dtype=torch.int32)
+
+    def fill_bitmask(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
+        """Fill only the given rows; other rows keep their contents (e.g. -1 for free rows)."""
+        by_backend: dict[str, list[tuple[int, GrammarMatcher]]] = {}
+        for row, m in rows_and_matchers:
+            by_backend.setdefault(m.backend_name, []).append((row, m))
+        for name, group in by_backend.items():
+            self.backend(name).fill_bitmasks(group, bitmask)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

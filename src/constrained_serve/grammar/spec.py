@@ -1,0 +1,151 @@
+"""Build a normalized ``OutputSpec`` from user arguments, and parse finished outputs.
+
+The spec's ``text`` is canonical so it can key the compile cache: JSON with sorted keys,
+except that the entries of every ``properties`` map keep their order. Both grammar engines
+emit object properties in schema order, so that order is part of the grammar's meaning;
+fully sorting it would make two different grammars share one cache entry and would reorder
+the user's model fields alphabetically in generated output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping, Sequence
+
+from ..errors import GrammarError
+from ..params import OutputSpec
+
+__all__ = ["make_output_spec", "parse_output", "canonical_json"]
+
+_GRAMMAR_SYNTAXES = {"lark": "lark", "ebnf": "ebnf", "gbnf": "ebnf"}
+
+
+def canonical_json(value: Any) -> str:
+    """Deterministic JSON text of a schema (see module docstring for the ordering rule)."""
+    return json.dumps(_canon(value, keep_order=False), separators=(",", ":"), ensure_ascii=False)
+
+
+def _canon(value: Any, keep_order: bool) -> Any:
+    if isinstance(value, Mapping):
+        keys = list(value.keys()) if keep_order else sorted(value.keys(), key=str)
+        # A schema's "properties" map is ordered; its values are schemas again (unordered).
+        return {k: _canon(value[k], keep_order=(k == "properties" and not keep_order)) for k in keys}
+    if isinstance(value, (list, tuple)):
+        return [_canon(v, keep_order=False) for v in value]
+    return value
+
+
+def _schema_from_type(tp: Any) -> tuple[dict, Any]:
+    """JSON Schema of a Pydantic model or any type TypeAdapter accepts; keeps the type for parsing."""
+    from pydantic import BaseModel, TypeAdapter
+
+    try:
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            return tp.model_json_schema(), tp
+        return TypeAdapter(tp).json_schema(), tp
+    except Exception as e:  # pydantic raises several error types for unusable types
+        raise GrammarError(f"schema: cannot build a JSON Schema from type {tp!r}: {e}", reason=str(e)) from e
+
+
+def _normalize_schema(schema: Any, arg: str) -> tuple[dict | bool, Any]:
+    if isinstance(schema, str):
+        try:
+            value = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"{arg}: not valid JSON: {e}", reason=str(e)) from e
+        if not isinstance(value, (dict, bool)):
+            raise GrammarError(f"{arg}: a JSON Schema must be an object or a boolean, got {type(value).__name__}")
+        return value, None
+    if isinstance(schema, Mapping):
+        try:
+            return json.loads(json.dumps(schema)), None  # deep copy, and proves it is JSON
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"{arg}: schema dict is not JSON-serializable: {e}", reason=str(e)) from e
+    if isinstance(schema, bool):
+        return schema, None
+    if isinstance(schema, type) or dataclasses.is_dataclass(schema) or hasattr(schema, "__origin__") \
+            or getattr(schema, "__module__", None) == "typing":
+        return _schema_from_type(schema)
+    raise GrammarError(
+        f"{arg}: expected a dict, a JSON string, a Pydantic model or a type, got {type(schema).__name__}"
+    )
+
+
+def make_output_spec(
+    *,
+    schema: Any = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    grammar_syntax: str = "lark",
+    choices: Sequence[str] | None = None,
+    response_format: Mapping[str, Any] | None = None,
+    json_whitespace: bool = False,
+    strict: bool = True,
+) -> OutputSpec | None:
+    """Normalize exactly one output constraint into an ``OutputSpec`` (None: unconstrained)."""
+    given = [n for n, v in (("schema", schema), ("regex", regex), ("grammar", grammar),
+                            ("choices", choices), ("response_format", response_format)) if v is not None]
+    if len(given) > 1:
+        raise GrammarError(f"give at most one output constraint, got {', '.join(given)}")
+    if not given:
+        return None
+    common = {"whitespace": bool(json_whitespace), "strict": bool(strict)}
+
+    if response_format is not None:
+        return _from_response_format(response_format, common)
+    if schema is not None:
+        value, tp = _normalize_schema(schema, "schema")
+        return OutputSpec("json_schema", canonical_json(value), python_type=tp, **common)
+    if regex is not None:
+        if not isinstance(regex, str) or not regex:
+            raise GrammarError(f"regex: expected a non-empty string, got {regex!r}")
+        return OutputSpec("regex", regex, **common)
+    if grammar is not None:
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise GrammarError(f"grammar: expected a non-empty string, got {grammar!r}")
+        kind = _GRAMMAR_SYNTAXES.get(str(grammar_syntax).lower())
+        if kind is None:
+            raise GrammarError(f"grammar_syntax: expected 'lark', 'ebnf' or 'gbnf', got {grammar_syntax!r}")
+        return OutputSpec(kind, grammar, **common)  # type: ignore[arg-type]
+    # choices
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
+        raise GrammarError(f"choices: expected a list of strings, got {type(choices).__name__}")
+    items = list(choices)
+    if not items or not all(isinstance(c, str) and c for c in items):
+        raise GrammarError("choices: expected a non-empty list of non-empty strings")
+    return OutputSpec("choices", json.dumps(items, ensure_ascii=False), **common)
+
+
+def _from_response_format(rf: Mapping[str, Any], common: dict) -> OutputSpec | None:
+    if not isinstance(rf, Mapping) or "type" not in rf:
+        raise GrammarError("response_format: expected a dict with a 'type' key")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputSpec("json_object", canonical_json({"type": "object"}), **common)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, Mapping) or "schema" not in js:
+            raise GrammarError("response_format: 'json_schema' needs {'json_schema': {'schema': {...}}}")
+        value, tp = _normalize_schema(js["schema"], "response_format.json_schema.schema")
+        return OutputSpec("json_schema", canonical_json(value), python_type=tp, **common)
+    raise GrammarError(f"response_format: unknown type {kind!r} (expected json_schema, json_object or text)")
+
+
+def parse_output(spec: OutputSpec, text: str) -> tuple[Any, Any]:
+    """Return ``(json_value, parsed)``; for non-JSON kinds ``(None, text)``. ValueError on failure."""
+    if not spec.is_json:
+        return None, text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"output is not valid JSON: {e}") from e
+    if spec.python_type is None:
+        return value, value
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return value, TypeAdapter(spec.python_type).validate_python(value)
+    except ValidationError as e:  # already a ValueError; re-raise with context
+        raise ValueError(f"output does not validate as {spec.python_type!r}: {e}") from e

@@ -1,0 +1,246 @@
+"""xgrammar backend: pushdown automaton with precomputed per-state token masks.
+
+xgrammar silently ignores JSON Schema keywords it does not implement (``not``, ``if``,
+``uniqueItems``, ``allOf`` merging, remote ``$ref``...), so with ``strict=True`` we refuse
+such schemas ourselves (``unsupported_schema_features``) before compiling.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from typing import Any, Sequence
+
+import torch
+import xgrammar as xgr
+
+from ..errors import GrammarError
+from ..params import OutputSpec
+from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["XGrammarBackend", "XGrammarMatcher", "unsupported_schema_features"]
+
+# Validation keywords xgrammar's JSON Schema converter does not enforce (checked on 0.2.9).
+_IGNORED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+    "unevaluatedProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
+    "$dynamicRef", "$recursiveRef", "additionalItems",
+})
+_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("additionalProperties", "additionalItems", "propertyNames", "contains", "not",
+                  "if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "items")
+# Lookaround and backreferences: a regex engine without them would match something else.
+_UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|\\[1-9]|\\k<")
+
+
+def unsupported_schema_features(schema: Any, path: str = "#") -> list[str]:
+    """Where ``schema`` uses a feature xgrammar would silently drop or approximate."""
+    found: list[str] = []
+    if not isinstance(schema, dict):
+        return found
+    for key in _IGNORED_KEYWORDS & schema.keys():
+        found.append(f"{path}/{key}")
+    if schema.get("uniqueItems") is True:
+        found.append(f"{path}/uniqueItems")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        found.append(f"{path}/allOf (merged approximately)")
+    one_of = schema.get("oneOf")
+    if isinstance(one_of, list) and len(one_of) > 1:
+        # xgrammar treats oneOf as anyOf: exact only when the branches are disjoint by type.
+        types = [b.get("type") if isinstance(b, dict) else None for b in one_of]
+        if not all(isinstance(t, str) for t in types) or len(set(types)) != len(types):
+            found.append(f"{path}/oneOf (treated as anyOf)")
+    # Combinations xgrammar 0.2.9 logs as "ignoring ..." (to stderr, which we cannot read).
+    if "multipleOf" in schema:
+        if schema.get("type") != "integer":
+            found.append(f"{path}/multipleOf (only enforced for integers)")
+        elif {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & schema.keys():
+            found.append(f"{path}/multipleOf (ignored together with a range)")
+    if ("format" in schema or "pattern" in schema) and ({"minLength", "maxLength"} & schema.keys()):
+        found.append(f"{path}/minLength/maxLength (ignored with format or pattern)")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        found.append(f"{path}/$ref {ref!r} (not local)")
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt not in _FORMATS:
+        found.append(f"{path}/format {fmt!r}")
+    pat = schema.get("pattern")
+    if isinstance(pat, str) and _UNSUPPORTED_REGEX.search(pat):
+        found.append(f"{path}/pattern {pat!r}")
+    for key in _SCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, s in sub.items():
+                found += unsupported_schema_features(s, f"{path}/{key}/{name}")
+    for key in _SCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, s in enumerate(sub):
+                found += unsupported_schema_features(s, f"{path}/{key}/{i}")
+    for key in _SCHEMA_VALUES:
+        sub = schema.get(key)
+        if isinstance(sub, list):  # draft-7 tuple "items"
+            for i, s in enumerate(sub):
+                found += unsupported_schema_features(s, f"{path}/{key}/{i}")
+        else:
+            found += unsupported_schema_features(sub, f"{path}/{key}")
+    return found
+
+
+class XGrammarMatcher(GrammarMatcher):
+    backend_name = "xgrammar"
+    __slots__ = ("_m", "_backend")
+
+    def __init__(self, matcher: xgr.GrammarMatcher, backend: "XGrammarBackend"):
+        self._m = matcher
+        self._backend = backend
+
+    @property
+    def raw(self) -> xgr.GrammarMatcher:
+        return self._m
+
+    def accept_tokens(self, tokens: Sequence[int]) -> bool:
+        done = 0
+        for t in tokens:
+            if not self._m.accept_token(int(t)):
+                if done:
+                    self._m.rollback(done)  # a rejection leaves the state unchanged
+                return False
+            done += 1
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._m.is_terminated():
+            # xgrammar refuses to compute a mask after EOS; allow EOS only, like llguidance.
+            self._backend.eos_only_row(bitmask, row)
+        else:
+            self._m.fill_next_token_bitmask(bitmask, row)
+
+    def forced_tokens(self) -> list[int]:
+        if self._m.is_terminated():
+            return []
+        text = self._m.find_jump_forward_string()
+        if not text:
+            return []
+        tok = self._backend.tokenizer
+        ids = tok.encode(text, add_special_tokens=False)
+        # Tokenizers that normalize or add a prefix space do not round-trip: force nothing.
+        if tok.decode(ids) != text:
+            return []
+        # The last token could merge with what the model writes next ('"a' + 'ge' vs '"age'):
+        # keep only the part whose canonical tokenization cannot change.
+        ids = ids[:-1]
+        accepted = 0
+        for t in ids:  # defensive: keep the prefix the grammar really accepts
+            if not self._m.accept_token(t):
+                break
+            accepted += 1
+        if accepted:
+            self._m.rollback(accepted)
+        return ids[:accepted]
+
+    def is_finished(self) -> bool:
+        return self._m.is_terminated()
+
+    def can_end(self) -> bool:
+        return not self._m.is_terminated() and self._m.is_completed()
+
+    def rollback(self, n: int) -> None:
+        if n > 0:
+            self._m.rollback(n)
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None,
+                 num_threads: int = 2, lazy_masks: bool = True):
+        super().__init__(tokenizer, vocab_size, eos_token_ids)
+        self.width = bitmask_width(self.vocab_size)
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids)
+        # The manager keeps its own LRU cache; xgrammar's would grow without bound.
+        # lazy_masks: build each parser state's token-mask cache on first use instead of
+        # precomputing all of them at compile time. Eager compilation of large real-world
+        # schemas takes many seconds (beyond the 10 s compile bound on a busy 2-core box);
+        # lazily, compile is milliseconds and the first mask of a new state pays instead.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max(1, num_threads),
+                                             cache_enabled=False, enable_dynamic_compilation=lazy_masks)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, num_threads))
+        self._eos_row = torch.zeros(self.width, dtype=torch.int32)
+        for t in self.eos_token_ids:
+            if t < self.vocab_size:
+                word = int(self._eos_row[t // 32]) | (1 << (t % 32))
+                self._eos_row[t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def eos_only_row(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].copy_(self._eos_row)
+
+    def compile(self, spec: OutputSpec) -> CompiledGrammar:
+        t0 = time.perf_counter()
+        warnings: list[str] = []
+        if spec.kind == "json_schema":
+            schema = json.loads(spec.text)
+            warnings = unsupported_schema_features(schema)
+            if warnings:
+                msg = "ignores " + ", ".join(warnings)
+                if spec.strict:
+                    raise self._error(spec, msg, prefix="would approximate the spec (strict=True)")
+                logger.warning("xgrammar approximates json_schema spec: %s", msg)
+        try:
+            handle = self._compile(spec)
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError with its own message
+            raise self._error(spec, str(e).strip()) from e
+        return CompiledGrammar(self.name, spec, handle, time.perf_counter() - t0, warnings)
+
+    def _compile(self, spec: OutputSpec) -> xgr.CompiledGrammar:
+        c = self._compiler
+        if spec.is_json:
+            return c.compile_json_schema(
+                spec.text, any_whitespace=spec.whitespace,
+                separators=None if spec.whitespace else (",", ":"),
+                # strict_mode=True would forbid additional properties the schema allows;
+                # we keep JSON Schema semantics, the same as llguidance.
+                strict_mode=False)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.text)
+        if spec.kind == "lark":
+            return c.compile_lark(spec.text)
+        if spec.kind == "ebnf":
+            return c.compile_grammar(spec.text)
+        if spec.kind == "choices":
+            items = json.loads(spec.text)
+            return c.compile_grammar("root ::= " + " | ".join(json.dumps(x, ensure_ascii=False) for x in items))
+        raise GrammarError(f"xgrammar: unsupported output kind {spec.kind!r}", backend=self.name)
+
+    def _error(self, spec: OutputSpec, reason: str, prefix: str = "cannot compile") -> GrammarError:
+        snippet = spec.text if len(spec.text) <= 200 else spec.text[:200] + "..."
+        return GrammarError(f"xgrammar {prefix} {spec.kind} {snippet!r}: {reason}",
+                            backend=self.name, reason=reason)
+
+    def new_matcher(self, compiled: CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled.handle, override_stop_tokens=self.eos_token_ids), self)
+
+    def fill_bitmasks(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
+        live = []
+        for row, m in rows_and_matchers:
+            if m.is_finished():
+                self.eos_only_row(bitmask, row)
+            else:
+                live.append((row, m))
+        if len(live) == 1:
+            live[0][1].fill_bitmask(bitmask, live[0][0])
+        elif live:
+            # C++ thread pool, GIL released.
+            self._batch.batch_fill_next_token_bitmask(
+                [m.raw for _, m in live], bitmask, [row for row, _ in live])  # type: ignore[attr-defined]

@@ -1,0 +1,219 @@
+"""Both grammar engines through the common interface, with the real SmolLM2 tokenizer."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+
+import pytest
+import torch
+from pydantic import BaseModel
+from typing_extensions import TypedDict
+
+from constrained_serve.errors import GrammarError
+from constrained_serve.grammar import GrammarManager, make_output_spec
+
+MODEL_VOCAB = 49152  # SmolLM2-135M logits width (as in conftest)
+
+EOS = 2
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+class Point(TypedDict):
+    x: int
+    y: int
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+# (spec kwargs, accepted texts, rejected texts)
+CASES = {
+    "regex": ({"regex": r"[0-9]{2,4}-[a-z]+"}, ["12-ab", "1234-z"], ["1-ab", "12ab", "12-AB"]),
+    "lark": ({"grammar": 'start: "(" num ("," num)* ")"\nnum: /[0-9]+/'}, ["(1)", "(12,3,456)"], ["()", "(1,)", "1"]),
+    "ebnf": ({"grammar": 'root ::= "x" [0-9]+ ("!" | "?")', "grammar_syntax": "ebnf"}, ["x1!", "x42?"], ["x!", "y1!"]),
+    "choices": ({"choices": ["yes", "no", "maybe so"]}, ["yes", "no", "maybe so"], ["ye", "yess", "No"]),
+    "json_schema": ({"schema": PERSON}, ['{"name":"Bob","age":42}', '{"name":"","age":-1}'],
+                    ['{"age":42,"name":"Bob"}', '{"name":"Bob"}', '{"name":"Bob","age":4.5}',
+                     '{"name": "Bob","age":42}']),
+    "json_object": ({"response_format": {"type": "json_object"}}, ['{}', '{"a":[1,{"b":null}]}'], ['[]', '"x"', '{']),
+    "pydantic": ({"schema": Person}, ['{"name":"A","age":1}'], ['{"name":"A"}']),
+    "list_model": ({"schema": list[Person]}, ['[]', '[{"name":"A","age":1},{"name":"B","age":2}]'],
+                   ['[{"name":"A"}]', '{"name":"A","age":1}']),
+    "typeddict": ({"schema": Point}, ['{"x":1,"y":-2}'], ['{"x":1}', '{"y":1,"x":2}']),
+}
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def allowed(bitmask: torch.Tensor, row: int) -> set[int]:
+    words = bitmask[row].tolist()
+    return {w * 32 + b for w, word in enumerate(words) for b in range(32) if (word >> b) & 1}
+
+
+def run(manager, backend, tok, spec_kwargs, text):
+    """Feed text token by token; (accepted everything, can_end) and the matcher."""
+    m = manager.new_matcher(manager.compile(make_output_spec(**spec_kwargs), backend))
+    for t in encode(tok, text):
+        if not m.accept_tokens([t]):
+            return False, m
+    return m.can_end(), m
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_accepts_valid_rejects_invalid(manager, backend, tokenizer, case):
+    kwargs, good, bad = CASES[case]
+    for text in good:
+        ok, m = run(manager, backend, tokenizer, kwargs, text)
+        assert ok, f"{backend} rejected valid {text!r}"
+        assert m.accept_tokens([EOS]) and m.is_finished()
+        assert not m.accept_tokens(encode(tokenizer, "x"))  # nothing after EOS
+    for text in bad:
+        ok, _ = run(manager, backend, tokenizer, kwargs, text)
+        assert not ok, f"{backend} accepted invalid {text!r}"
+
+
+def test_rejection_leaves_state_unchanged(manager, backend, tokenizer):
+    m = manager.new_matcher(manager.compile(make_output_spec(schema=PERSON), backend))
+    assert m.accept_tokens(encode(tokenizer, '{"name":"Al'))
+    bm = manager.allocate_bitmask(2)
+    manager.fill_bitmask([(0, m)], bm)
+    # a valid first token followed by an invalid one: the whole call fails, nothing sticks
+    assert not m.accept_tokens(encode(tokenizer, 'ice"') + encode(tokenizer, "}}}"))
+    manager.fill_bitmask([(1, m)], bm)
+    assert torch.equal(bm[0], bm[1])
+    assert m.accept_tokens(encode(tokenizer, 'ice","age":7}')) and m.can_end()
+
+
+def test_forced_tokens_after_brace(manager, backend, tokenizer):
+    m = manager.new_matcher(manager.compile(make_output_spec(schema=PERSON), backend))
+    assert m.accept_tokens(encode(tokenizer, "{"))
+    forced = m.forced_tokens()
+    text = tokenizer.decode(forced)
+    assert forced and '"name":'.startswith(text) and text.startswith('"'), (forced, text)
+    # canonical: the forced run is how the tokenizer itself writes that text
+    assert forced == encode(tokenizer, text)
+    assert m.forced_tokens() == forced  # no state change
+    assert m.accept_tokens(forced)
+    assert not m.is_finished()
+
+
+def test_forced_tokens_none_when_free(manager, backend, tokenizer):
+    m = manager.new_matcher(manager.compile(make_output_spec(regex="[a-z]+"), backend))
+    assert m.forced_tokens() == []
+
+
+def test_rollback_restores_state(manager, backend, tokenizer):
+    m = manager.new_matcher(manager.compile(make_output_spec(schema=PERSON), backend))
+    head = encode(tokenizer, '{"name":"X",')
+    assert m.accept_tokens(head)
+    bm = manager.allocate_bitmask(2)
+    manager.fill_bitmask([(0, m)], bm)
+    tail = encode(tokenizer, '"age":12')
+    assert m.accept_tokens(tail)
+    m.rollback(len(tail))
+    manager.fill_bitmask([(1, m)], bm)
+    assert torch.equal(bm[0], bm[1])
+    assert m.accept_tokens(tail + encode(tokenizer, "}")) and m.can_end()
+
+
+def test_bitmask_rows_and_eos(manager, backend, tokenizer):
+    compiled = manager.compile(make_output_spec(regex="[0-9]+"), backend)
+    a, b = manager.new_matcher(compiled), manager.new_matcher(compiled)
+    assert b.accept_tokens(encode(tokenizer, "7"))
+    bm = manager.allocate_bitmask(3)
+    assert bm.dtype == torch.int32 and bm.shape == (3, (MODEL_VOCAB + 31) // 32)
+    manager.fill_bitmask([(0, a), (2, b)], bm)
+    assert (bm[1] == -1).all()  # untouched row
+    for row in (0, 2):
+        toks = allowed(bm, row)
+        digits = {t for t in toks if t != EOS}
+        assert digits and all(tokenizer.decode([t]).isdigit() for t in digits)
+    assert EOS not in allowed(bm, 0) and EOS in allowed(bm, 2)  # EOS exactly where it can end
+    assert not a.can_end() and b.can_end()
+    # the batch (parallel) fill equals one-by-one fills
+    single = manager.allocate_bitmask(3)
+    a.fill_bitmask(single, 0)
+    b.fill_bitmask(single, 2)
+    assert torch.equal(single, bm)
+
+
+def test_vocab_wider_than_tokenizer(tokenizer, backend):
+    width = MODEL_VOCAB + 40  # model logits padded past the tokenizer's vocabulary
+    mgr = GrammarManager(tokenizer, width, default_backend=backend, max_workers=1, eos_token_ids=[1])
+    try:
+        m = mgr.new_matcher(mgr.compile(make_output_spec(response_format={"type": "json_object"})))
+        bm = mgr.allocate_bitmask(1)
+        assert bm.shape[1] == (width + 31) // 32
+        assert m.accept_tokens(encode(tokenizer, "{}"))
+        m.fill_bitmask(bm, 0)
+        toks = allowed(bm, 0)
+        assert {1, 2} <= toks  # tokenizer EOS and the extra stop id
+        assert not any(t >= MODEL_VOCAB for t in toks)
+    finally:
+        mgr.close()
+
+
+def test_cache_hit_does_not_recompile(manager, backend):
+    spec = make_output_spec(schema={"type": "object", "properties": {"k": {"type": "boolean"}}})
+    first = manager.compile(spec, backend)
+    compiles = manager.stats["compiles"]
+    again = make_output_spec(schema={"properties": {"k": {"type": "boolean"}}, "type": "object"})
+    assert manager.compile(again, backend) is first
+    assert manager.compile_async(again, backend).result() is first
+    assert manager.stats["compiles"] == compiles
+    # whitespace and strict are part of the key
+    assert manager.compile(make_output_spec(schema=spec.text, json_whitespace=True), backend) is not first
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"schema": {"$ref": "#/$defs/missing"}},
+    {"schema": {"type": "string", "pattern": "(?=a)b"}},
+    {"regex": "a(b"},
+    {"grammar": "start: undefined_rule"},
+    {"grammar": "root ::= \"a\" undefined_rule", "grammar_syntax": "ebnf"},
+])
+def test_bad_specs_raise_grammar_error(manager, backend, kwargs):
+    fut = manager.compile_async(make_output_spec(**kwargs), backend)
+    assert isinstance(fut, cf.Future)
+    with pytest.raises(GrammarError) as err:
+        fut.result(timeout=30)
+    assert err.value.backend == backend and err.value.reason
+    assert backend in str(err.value)
+
+
+def test_strict_refuses_approximation(manager, backend, caplog):
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        manager.compile(make_output_spec(schema=schema), backend)
+    with caplog.at_level(logging.WARNING):
+        compiled = manager.compile(make_output_spec(schema=schema, strict=False), backend)
+    assert compiled.warnings and "uniqueItems" in caplog.text
+
+
+def test_whitespace_flag(manager, backend, tokenizer):
+    text = '{ "name" : "a",\n "age": 1 }'
+    assert not run(manager, backend, tokenizer, {"schema": PERSON}, text)[0]
+    assert run(manager, backend, tokenizer, {"schema": PERSON, "json_whitespace": True}, text)[0]
+
+
+def test_compile_timeout_is_bounded(tokenizer, backend):
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,20}@[a-z]{2,9}"}
+                                            for i in range(200)}}
+    mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend=backend, max_workers=1, compile_timeout_s=1e-4)
+    try:
+        with pytest.raises(GrammarError, match="longer than") as err:
+            mgr.compile(make_output_spec(schema=big))
+        assert err.value.reason == "timeout"
+    finally:
+        mgr.close()
+
+
+def test_unknown_backend(manager):
+    with pytest.raises(GrammarError, match="unknown grammar backend"):
+        manager.compile(make_output_spec(regex="a"), "outlines")

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from pydantic import BaseModel
+from typing_extensions import TypedDict
+
+from constrained_serve.errors import GrammarError
+from constrained_serve.grammar import make_output_spec, parse_output
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+class Point(TypedDict):
+    x: int
+    y: int
+
+
+@dataclasses.dataclass
+class Box:
+    w: float
+    h: float
+
+
+def test_none_and_text():
+    assert make_output_spec() is None
+    assert make_output_spec(response_format={"type": "text"}) is None
+
+
+def test_schema_forms_share_canonical_text():
+    schema = {"type": "object", "required": ["a"], "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    s1 = make_output_spec(schema=schema)
+    s2 = make_output_spec(schema=json.dumps(schema, indent=2))
+    s3 = make_output_spec(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert s1 == s2 == s3 and s1.kind == "json_schema"
+    # keys sorted, but the property order (b before a) is kept: it is part of the grammar
+    assert s1.text == '{"properties":{"b":{"type":"integer"},"a":{"type":"string"}},"required":["a"],"type":"object"}'
+
+
+def test_pydantic_types_and_parse():
+    spec = make_output_spec(schema=Person)
+    assert spec.python_type is Person and list(json.loads(spec.text)["properties"]) == ["name", "age"]
+    value, obj = parse_output(spec, '{"name":"Ann","age":3}')
+    assert value == {"name": "Ann", "age": 3} and obj == Person(name="Ann", age=3)
+    lst = make_output_spec(schema=list[Person])
+    assert parse_output(lst, '[{"name":"a","age":1}]')[1] == [Person(name="a", age=1)]
+    assert parse_output(make_output_spec(schema=Point), '{"x":1,"y":2}')[1] == {"x": 1, "y": 2}
+    assert parse_output(make_output_spec(schema=Box), '{"w":1,"h":2.5}')[1] == Box(1.0, 2.5)
+    with pytest.raises(ValueError):
+        parse_output(spec, '{"name":"Ann"}')
+    with pytest.raises(ValueError):
+        parse_output(spec, '{"name":')
+
+
+def test_other_kinds():
+    assert make_output_spec(regex="[0-9]+").kind == "regex"
+    assert make_output_spec(grammar='start: "a"').kind == "lark"
+    assert make_output_spec(grammar='root ::= "a"', grammar_syntax="gbnf").kind == "ebnf"
+    ch = make_output_spec(choices=["yes", "no"])
+    assert ch.kind == "choices" and json.loads(ch.text) == ["yes", "no"]
+    obj = make_output_spec(response_format={"type": "json_object"}, json_whitespace=True, strict=False)
+    assert obj.kind == "json_object" and obj.whitespace and not obj.strict
+    assert parse_output(ch, "yes") == (None, "yes")
+    assert parse_output(obj, '{"a": 1}') == ({"a": 1}, {"a": 1})
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"schema": {"type": "object"}, "regex": "a"}, "schema, regex"),
+    ({"schema": "{not json"}, "schema"),
+    ({"schema": 42}, "schema"),
+    ({"schema": "[1, 2]"}, "schema"),
+    ({"regex": ""}, "regex"),
+    ({"grammar": 'start: "a"', "grammar_syntax": "yacc"}, "grammar_syntax"),
+    ({"choices": "yes"}, "choices"),
+    ({"choices": []}, "choices"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+])
+def test_bad_arguments_name_the_argument(kwargs, word):
+    with pytest.raises(GrammarError, match=word):
+        make_output_spec(**kwargs)

@@ -1,0 +1,54 @@
+"""End to end on the real default model through the public API."""
+import pytest
+
+import constrained_serve
+from constrained_serve import Engine, SamplingParams
+
+
+@pytest.mark.slow
+def test_capital_of_france(default_engine):
+    [r] = default_engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                              SamplingParams(max_tokens=32))
+    assert "Paris" in r.text
+    assert r.finish_reason == "stop"
+    assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens == len(r.token_ids)
+
+
+@pytest.mark.slow
+def test_results_in_input_order_and_usage(default_engine):
+    msgs = [[{"role": "user", "content": f"Say the number {i} and nothing else."}] for i in range(6)]
+    rs = default_engine.chat(msgs, SamplingParams(max_tokens=8))
+    assert [r.index for r in rs] == list(range(6))
+    assert all(str(i) in r.text for i, r in enumerate(rs))
+
+
+@pytest.mark.slow
+def test_stream_yields_the_same_text(default_engine):
+    p = SamplingParams(max_tokens=20)
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    full = default_engine.chat(msgs, p)[0].text
+    pieces = list(default_engine.stream(msgs, p))
+    assert len(pieces) > 1 and "".join(pieces) == full
+
+
+def test_generate_iter_streams_in_order(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompts = (f"item {i}" for i in range(20))
+    out = list(eng.generate_iter(prompts, SamplingParams(max_tokens=3, ignore_eos=True), max_in_flight=4))
+    assert [r.index for r in out] == list(range(20))
+    assert all(len(r.token_ids) == 3 for r in out)
+    assert not eng.core.scheduler.has_work()
+
+
+def test_module_level_generate_returns_one_or_many(monkeypatch, tiny_engine_factory):
+    eng = tiny_engine_factory()
+    monkeypatch.setattr(constrained_serve, "_default_engine", eng)
+    one = constrained_serve.generate("hello", max_tokens=3)
+    assert isinstance(one, constrained_serve.Result)
+    many = constrained_serve.generate(["a", "b"], max_tokens=3)
+    assert isinstance(many, list) and len(many) == 2
+
+
+def test_device_auto_is_cpu_here(tiny_llama_dir):
+    eng = Engine(model=str(tiny_llama_dir), device="auto", kv_cache_tokens=256)
+    assert eng.device.type == "cpu"

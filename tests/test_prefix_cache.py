@@ -1,0 +1,125 @@
+"""Radix prefix cache in the engine: random workloads, shared prefixes, multi-turn append."""
+import random
+
+import pytest
+
+from constrained_serve import Engine, SamplingParams
+from constrained_serve.conversation import send_many
+
+
+def _random_workload(seed, tok, n=14):
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    prefixes = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) for _ in range(3)]
+    prompts = []
+    for _ in range(n):
+        p = rng.choice(prefixes) if rng.random() < 0.8 else ""
+        prompts.append(p + " " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 25))))
+    return prompts, [rng.randint(1, 12) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workloads_match_cache_off(tiny_engine_factory, seed):
+    """Small pools force eviction and preemption; integrity holds after every step."""
+    on = tiny_engine_factory(kv_cache_tokens=512, max_num_batched_tokens=48, max_num_seqs=6)
+    off = tiny_engine_factory(kv_cache_tokens=512, max_num_batched_tokens=48, max_num_seqs=6,
+                              enable_prefix_cache=False)
+    on.core.check_each_step = True
+    off.core.check_each_step = True
+    prompts, lens = _random_workload(seed, on.tokenizer)
+    # Two waves: the second reuses what the first left in the cache.
+    for wave in range(2):
+        for eng in (on, off):
+            eng._out = [r.token_ids for r in eng.generate(
+                prompts, SamplingParams(max_tokens=max(lens) + wave, ignore_eos=True))]
+        assert on._out == off._out
+    assert sum(r for r in [on.kv.radix.cached_pages()]) > 0
+    # Evicting everything leaves the pool entirely free.
+    on.kv.radix.evict(on.pool.num_pages)
+    assert on.pool.num_free == on.pool.num_pages
+
+
+def test_shared_prefix_is_computed_once(tiny_engine_factory):
+    instruction = "Extract the fields of the following text as JSON. " * 20
+    prompts = [instruction + f"Text number {i}: something happened." for i in range(12)]
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    off = tiny_engine_factory(enable_prefix_cache=False)
+    off.generate(prompts, p)
+    on = tiny_engine_factory()
+    res = on.generate(prompts[:1], p) + on.generate(prompts[1:], p)
+    n_prefix = len(on.encode_prompt(instruction)) // 16 * 16
+    computed_off = off.core.runner.tokens_computed
+    computed_on = on.core.runner.tokens_computed
+    assert computed_off - computed_on >= 11 * (n_prefix - 16)
+    assert all(r.usage.cached_tokens >= n_prefix - 16 for r in res[1:])
+    assert res[0].usage.cached_tokens == 0
+
+
+def test_conversation_appends_and_releases(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    eng.core.check_each_step = True
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    with eng.conversation(system="You are terse.") as conv:
+        r1 = conv.send("Hello there, how are you today?", p)
+        hist = list(conv.token_ids)
+        before = eng.core.runner.tokens_computed
+        r2 = conv.send("And tomorrow?", p)
+        new_tokens = len(conv.token_ids) - len(hist) - len(r2.token_ids) - 1  # minus closing eos
+        assert conv.token_ids[: len(hist)] == hist  # history never re-tokenized
+        assert r2.usage.cached_tokens >= (len(hist) - 1) // 16 * 16
+        assert eng.core.runner.tokens_computed - before <= (len(hist) - r2.usage.cached_tokens) + new_tokens + 6
+        assert len(conv.history) == 5 and conv.history[-1]["content"] == r2.text
+        assert conv.pages  # history pinned while open
+        eng.check = eng.core.check_integrity()
+    assert not conv.pages and conv.closed
+    eng.core.check_integrity()
+    assert r1.finish_reason == "length"
+
+
+def test_many_conversations_in_one_batch(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    eng.core.check_each_step = True
+    convs = [eng.conversation(system=f"System {i}") for i in range(5)]
+    p = SamplingParams(max_tokens=5, ignore_eos=True)
+    for turn in range(3):
+        rs = send_many(convs, [f"turn {turn} of conversation {i}" for i in range(5)], p)
+        assert all(r.finish_reason == "length" for r in rs)
+        if turn:
+            assert all(r.usage.cached_tokens > 0 for r in rs)
+    # Same outputs as re-running each full history from scratch without a cache.
+    fresh = tiny_engine_factory(enable_prefix_cache=False)
+    for c in convs:
+        last_prompt = c.token_ids[: len(c.token_ids) - 6]
+        assert fresh.generate([last_prompt], p)[0].token_ids == c.token_ids[len(last_prompt):-1]
+        c.close()
+    eng.core.check_integrity()
+
+
+def test_conversation_pin_limit_falls_back(tiny_engine_factory):
+    eng = tiny_engine_factory(conversation_lock_fraction=0.0)
+    conv = eng.conversation()
+    r1 = conv.send("hello " * 40, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert not conv.pages  # over the share: not pinned, still works
+    r2 = conv.send("again", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert r1.error is None and r2.error is None
+    conv.close()
+
+
+@pytest.mark.slow
+def test_three_turn_conversation_default_model(default_engine):
+    eng = default_engine
+    p = SamplingParams(max_tokens=24)
+    conv = eng.conversation(system="You are a helpful assistant. Answer in one short sentence.")
+    r1 = conv.send("What is the capital of France?", p)
+    assert "Paris" in r1.text
+    for msg in ["And of Germany?", "And of Italy?"]:
+        hist = len(conv.token_ids)
+        before = eng.core.runner.tokens_computed
+        r = conv.send(msg, p)
+        prompt_new = r.usage.prompt_tokens - hist
+        assert r.usage.cached_tokens >= (hist - 1) // 16 * 16
+        # Prefill computed only the tail of the history (< one page) and the new turn.
+        prefilled = eng.core.runner.tokens_computed - before - (r.usage.completion_tokens - 1)
+        assert prefilled <= prompt_new + 16
+    assert "Rome" in r.text or "Italy" in r.text
+    conv.close()
