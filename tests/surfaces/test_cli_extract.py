@@ -127,7 +127,7 @@ def test_extract_with_regex_and_template(engine, tmp_path, capsys) -> None:
         [json.dumps({"ref": "a", "city": "Paris", "country": "France"}), json.dumps({"ref": "b", "city": "Lima"})],
     )
     out = tmp_path / "out.jsonl"
-    argv = ["extract", str(src), "-o", str(out), "--regex", "[A-Z][a-z]{2,11}", "--id-field", "ref",
+    argv = ["extract", str(src), "-o", str(out), "--regex", "[A-Z][a-z]{2,11}", "--id-field", "ref", "--backend", "xgrammar",
             "--template", "In which country is {city}? ({country})", "--instructions", "Answer with one word.",
             "--max-tokens", "8", "--quiet"]
     assert main(argv, engine=engine) == 0

@@ -1,5 +1,6 @@
 """grammars/*.lark: each compiles under llguidance, parses its documented examples with
-`lark`, and (on the real model) generates text that `lark` parses back."""
+`lark`, and (on the real model, with both grammar backends) generates text that `lark`
+parses back."""
 from __future__ import annotations
 
 import lark
@@ -61,12 +62,13 @@ def test_grammar_compiles_with_llguidance_and_parses_with_lark(name: str) -> Non
 
 
 @pytest.mark.slow
-def test_grammars_generate_text_that_lark_parses(engine) -> None:
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_grammars_generate_text_that_lark_parses(engine, backend: str) -> None:
     names = sorted(PROMPTS)
     grammars = [read(n) for n in names]
     conversations = [[{"role": "user", "content": PROMPTS[n]}] for n in names]
     # one batch, a different grammar per prompt
-    results = engine.chat(conversations, SamplingParams(max_tokens=64), grammar=grammars)
+    results = engine.chat(conversations, SamplingParams(max_tokens=64), grammar=grammars, grammar_backend=backend)
     for name, grammar, r in zip(names, grammars, results):
         assert r.error is None or r.finish_reason == "length", (name, r)
         text = r.text
