@@ -16,7 +16,6 @@ Nothing here needs a model: ``run_extract`` takes any object with the Engine's
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -26,6 +25,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): resume still works, only the two-writer guard is lost
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +217,8 @@ class JsonlSink:
         try:
             # Two runs appending to one file would interleave rows; the lock makes the
             # second one fail fast. The OS drops it when the process dies, even on kill -9.
-            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fcntl is not None:
+                fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._f.close()
             raise OutputFileError(f"{path} is being written by another run") from None
