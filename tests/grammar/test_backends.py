@@ -71,8 +71,13 @@ def test_accepts_valid_rejects_invalid(manager, backend, tokenizer, case):
     for text in good:
         ok, m = run(manager, backend, tokenizer, kwargs, text)
         assert ok, f"{backend} rejected valid {text!r}"
-        assert m.accept_tokens([EOS]) and m.is_finished()
+        assert m.accept_tokens([EOS]) and m.is_finished() and not m.can_end()
         assert not m.accept_tokens(encode(tokenizer, "x"))  # nothing after EOS
+        bm = manager.allocate_bitmask(1)
+        manager.fill_bitmask([(0, m)], bm)
+        assert allowed(bm, 0) == {EOS}  # finished rows allow EOS only (never an all-masked row)
+        m.rollback(1)  # undo EOS only
+        assert m.can_end() and m.accept_tokens([EOS]) and m.is_finished()
     for text in bad:
         ok, _ = run(manager, backend, tokenizer, kwargs, text)
         assert not ok, f"{backend} accepted invalid {text!r}"
@@ -171,6 +176,17 @@ def test_cache_hit_does_not_recompile(manager, backend):
     assert manager.compile(make_output_spec(schema=spec.text, json_whitespace=True), backend) is not first
 
 
+def test_concurrent_compiles_of_one_spec_share_work(tokenizer):
+    mgr = GrammarManager(tokenizer, MODEL_VOCAB, max_workers=2)
+    try:
+        spec = make_output_spec(schema={"type": "array", "items": PERSON, "maxItems": 3})
+        futures = [mgr.compile_async(spec) for _ in range(4)]
+        results = {id(f.result(timeout=30)) for f in futures}
+        assert len(results) == 1 and mgr.stats["compiles"] == 1
+    finally:
+        mgr.close()
+
+
 @pytest.mark.parametrize("kwargs", [
     {"schema": {"$ref": "#/$defs/missing"}},
     {"schema": {"type": "string", "pattern": "(?=a)b"}},
@@ -210,6 +226,16 @@ def test_compile_timeout_is_bounded(tokenizer, backend):
         with pytest.raises(GrammarError, match="longer than") as err:
             mgr.compile(make_output_spec(schema=big))
         assert err.value.reason == "timeout"
+    finally:
+        mgr.close()
+
+
+def test_xgrammar_eager_masks_option(tokenizer):
+    mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend="xgrammar", max_workers=1,
+                         backend_options={"xgrammar": {"lazy_masks": False}})
+    try:
+        m = mgr.new_matcher(mgr.compile(make_output_spec(schema=PERSON)))
+        assert m.accept_tokens(encode(tokenizer, '{"name":"a","age":1}')) and m.can_end()
     finally:
         mgr.close()
 

@@ -51,6 +51,9 @@ def test_pydantic_types_and_parse():
     assert parse_output(lst, '[{"name":"a","age":1}]')[1] == [Person(name="a", age=1)]
     assert parse_output(make_output_spec(schema=Point), '{"x":1,"y":2}')[1] == {"x": 1, "y": 2}
     assert parse_output(make_output_spec(schema=Box), '{"w":1,"h":2.5}')[1] == Box(1.0, 2.5)
+    assert json.loads(make_output_spec(schema=int | None).text) == {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    with pytest.raises(GrammarError, match="schema"):
+        make_output_spec(schema=object())
     with pytest.raises(ValueError):
         parse_output(spec, '{"name":"Ann"}')
     with pytest.raises(ValueError):

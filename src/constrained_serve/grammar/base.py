@@ -7,7 +7,7 @@ Bitmask layout, identical for every backend so one sampling kernel serves all: a
 tensor ``[rows, ceil(vocab_size / 32)]`` where bit ``t % 32`` of word ``t // 32`` is set iff
 token ``t`` is allowed. ``vocab_size`` is the model's logits width; ids past the
 tokenizer's vocabulary are never allowed. EOS ids are allowed exactly where the grammar
-may end.
+may end; a finished matcher's row allows EOS only, so a row is never all-masked.
 """
 from __future__ import annotations
 
@@ -56,11 +56,12 @@ class GrammarMatcher(abc.ABC):
 
     @abc.abstractmethod
     def is_finished(self) -> bool:
-        """True when no further token is possible (EOS consumed, or the grammar stopped)."""
+        """True when the grammar admits nothing more: EOS was consumed, or (llguidance) the
+        grammar stopped and only EOS may follow. The engine should then end the request."""
 
     @abc.abstractmethod
     def can_end(self) -> bool:
-        """True when EOS is allowed now (the text so far is a complete match)."""
+        """True when EOS is allowed now (the text so far is a complete match, EOS not yet taken)."""
 
     @abc.abstractmethod
     def rollback(self, n: int) -> None:

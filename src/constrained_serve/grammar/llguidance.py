@@ -28,12 +28,16 @@ __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
 
 class LLGuidanceMatcher(GrammarMatcher):
     backend_name = "llguidance"
-    __slots__ = ("_m", "_width", "_eos")
+    __slots__ = ("_m", "_width", "_eos", "_ended", "_eos_uncounted")
 
     def __init__(self, matcher: LLMatcher, width: int, eos: frozenset[int]):
         self._m = matcher
         self._width = width
         self._eos = eos
+        # llguidance still reports "accepting" after EOS; track it so can_end() means
+        # "EOS allowed now" for both backends.
+        self._ended = False
+        self._eos_uncounted = False  # EOS taken in the stopped state is not in llguidance's history
 
     @property
     def raw(self) -> LLMatcher:
@@ -45,14 +49,21 @@ class LLGuidanceMatcher(GrammarMatcher):
             return True
         if self._m.is_error():
             return False
+        if self._ended:
+            return False  # nothing follows EOS
         # try_consume_tokens stops at the first rejected token without entering the error
         # state; undo the accepted prefix so a rejection leaves the state unchanged.
         n = self._m.try_consume_tokens(tokens)
+        uncounted = False
         if n == len(tokens) - 1 and tokens[-1] in self._eos and self._m.is_stopped():
             # A stopped matcher (only EOS left) reports EOS as not consumable by
-            # try_consume_tokens, yet consume_token takes it; EOS is never rejected there.
-            n += int(self._m.consume_token(tokens[-1]))
+            # try_consume_tokens, yet consume_token takes it without adding it to the
+            # token history (so rollback must not count it).
+            if self._m.consume_token(tokens[-1]):
+                n, uncounted = n + 1, True
         if n == len(tokens) and not self._m.is_error():
+            self._ended = tokens[-1] in self._eos
+            self._eos_uncounted = uncounted
             return True
         if n and not self._m.is_error():
             self._m.rollback(n)
@@ -73,10 +84,17 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._m.is_stopped()
 
     def can_end(self) -> bool:
-        return not self._m.is_error() and self._m.is_accepting()
+        return not self._ended and not self._m.is_error() and self._m.is_accepting()
 
     def rollback(self, n: int) -> None:
-        if n > 0 and not self._m.rollback(n):
+        if n <= 0:
+            return
+        if self._ended:  # EOS can only be the last token, so any rollback removes it
+            self._ended = False
+            if self._eos_uncounted:
+                self._eos_uncounted = False
+                n -= 1
+        if n and not self._m.rollback(n):
             raise ValueError(f"llguidance: cannot roll back {n} tokens: {self._m.get_error()}")
 
     def error(self) -> str:
@@ -108,8 +126,10 @@ class LLGuidanceBackend(GrammarBackend):
         """The llguidance grammar (JSON) for ``spec``; raises GrammarError on conversion errors."""
         if spec.is_json:
             options = {"whitespace_flexible": spec.whitespace,
-                       # lenient ignores unimplemented keywords (with a warning) instead of failing
-                       "lenient": not spec.strict}
+                       # lenient ignores unimplemented keywords (with a warning) instead of failing;
+                       # coerce_one_of approximates oneOf by anyOf where branches may overlap.
+                       "lenient": not spec.strict,
+                       "coerce_one_of": not spec.strict}
             if not spec.whitespace:
                 options.update(item_separator=",", key_separator=":")
             try:
@@ -137,6 +157,9 @@ class LLGuidanceBackend(GrammarBackend):
         if template.is_error():
             raise self._error(spec, template.get_error())
         warnings = list(template.get_grammar_warnings())
+        if spec.is_json and not spec.strict and '"oneOf"' in spec.text:
+            # llguidance coerces silently; say so, as for every other approximation
+            warnings.append("oneOf may be approximated by anyOf (coerce_one_of)")
         if warnings:
             if spec.strict:
                 # The engine would accept the grammar but silently approximate part of it.

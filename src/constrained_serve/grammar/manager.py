@@ -2,7 +2,17 @@
 
 Compilation runs on a small thread pool so the scheduler never waits for it; each compile
 runs in its own daemon thread joined with a timeout, because neither engine can be
-interrupted: a runaway compile is abandoned (and logged), never waited for.
+interrupted: a runaway compile is abandoned (and logged), never waited for; its thread
+keeps its CPU until the engine returns, which is the price of never blocking a request.
+
+Typical engine use::
+
+    gm = GrammarManager(tokenizer, vocab_size=model_logits_width)
+    fut = gm.compile_async(spec)                 # at submit; GrammarError via fut.result()
+    matcher = gm.new_matcher(fut.result())       # when the request is scheduled
+    bitmask = gm.allocate_bitmask(max_batch)     # once; rows without a grammar stay -1
+    gm.fill_bitmask([(row, matcher), ...], bitmask)   # each step, while the forward runs
+    matcher.accept_tokens([sampled]); matcher.forced_tokens(); matcher.is_finished()
 """
 from __future__ import annotations
 
@@ -29,7 +39,7 @@ CacheKey = tuple[str, str, str, bool, bool]
 class GrammarManager:
     def __init__(self, tokenizer: Any, vocab_size: int, default_backend: str = "llguidance",
                  max_workers: int = 2, cache_size: int = 256, eos_token_ids: Sequence[int] | None = None,
-                 compile_timeout_s: float = 10.0):
+                 compile_timeout_s: float = 10.0, backend_options: dict[str, dict[str, Any]] | None = None):
         if default_backend not in BACKENDS:
             raise ValueError(f"default_backend must be one of {BACKENDS}, got {default_backend!r}")
         self.tokenizer = tokenizer
@@ -40,6 +50,8 @@ class GrammarManager:
         self.cache_size = int(cache_size)
         self.compile_timeout_s = float(compile_timeout_s)
         self._max_workers = max(1, int(max_workers))
+        # extra constructor kwargs per backend, e.g. {"xgrammar": {"lazy_masks": False}}
+        self._backend_options = {k: dict(v) for k, v in (backend_options or {}).items()}
         self._backends: dict[str, GrammarBackend] = {}
         self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
         # One in-flight future per key, so concurrent requests for one spec compile it once.
@@ -61,10 +73,12 @@ class GrammarManager:
     def _make_backend(self, name: str) -> GrammarBackend:
         if name == "llguidance":
             from .llguidance import LLGuidanceBackend
-            return LLGuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._max_workers)
+            return LLGuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._max_workers,
+                                     **self._backend_options.get(name, {}))
         if name == "xgrammar":
             from .xgrammar import XGrammarBackend
-            return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._max_workers)
+            return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._max_workers,
+                                   **self._backend_options.get(name, {}))
         raise GrammarError(f"unknown grammar backend {name!r}; expected one of {BACKENDS}", backend=name)
 
     # -- compile -------------------------------------------------------------------------

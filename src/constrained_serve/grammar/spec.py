@@ -8,7 +8,6 @@ the user's model fields alphabetically in generated output.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Mapping, Sequence
 
@@ -63,12 +62,13 @@ def _normalize_schema(schema: Any, arg: str) -> tuple[dict | bool, Any]:
             raise GrammarError(f"{arg}: schema dict is not JSON-serializable: {e}", reason=str(e)) from e
     if isinstance(schema, bool):
         return schema, None
-    if isinstance(schema, type) or dataclasses.is_dataclass(schema) or hasattr(schema, "__origin__") \
-            or getattr(schema, "__module__", None) == "typing":
-        return _schema_from_type(schema)
-    raise GrammarError(
-        f"{arg}: expected a dict, a JSON string, a Pydantic model or a type, got {type(schema).__name__}"
-    )
+    if isinstance(schema, (int, float, list, tuple, set, bytes)):
+        raise GrammarError(
+            f"{arg}: expected a dict, a JSON string, a Pydantic model or a type, got {type(schema).__name__}"
+        )
+    # Anything else may be a type pydantic understands (model, dataclass, TypedDict,
+    # list[Model], Optional[...], int | None, Annotated[...]); pydantic decides.
+    return _schema_from_type(schema)
 
 
 def make_output_spec(

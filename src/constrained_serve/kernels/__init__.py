@@ -1,0 +1,12 @@
+"""Kernels: each Triton kernel sits next to a plain torch reference with the same signature.
+
+- attention.py: store_kv_{torch,triton}, paged_attention_{torch,triton} (varlen mixed batch,
+  GQA, split-KV decode), AttentionMetadata.
+- sampling.py: apply_bitmask_{torch,triton}, sample_{torch,triton} (fused mask, temperature,
+  top-k/top-p/min-p, seeded Gumbel draw).
+- norm.py: rms_norm_{torch,triton} (+ residual), rotary_{torch,triton}.
+- dispatch.py: picks Triton on CUDA, the references elsewhere (CONSTRAINED_SERVE_KERNELS).
+
+Triton is optional: without it every ``*_triton`` raises and dispatch uses the references.
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (that is how the tests check them).
+"""

@@ -1,34 +1,91 @@
 """Picks the kernel implementation by device: Triton on CUDA, the torch reference elsewhere.
 
-``CONSTRAINED_SERVE_KERNELS=torch`` forces the references everywhere (``triton`` forces
-Triton, which on CPU only works under TRITON_INTERPRET=1).
+``CONSTRAINED_SERVE_KERNELS=torch`` forces the references everywhere; ``triton`` forces
+Triton (which on CPU only works under TRITON_INTERPRET=1); ``auto`` (default) uses Triton
+on CUDA when it is installed. The choice is read at each call so tests can flip it.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
-from . import attention, sampling
+from . import attention, norm, sampling
+from .attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_CHOICES = ("auto", "torch", "triton")
+_warned_missing = False
+
+
+def kernel_choice() -> str:
+    choice = os.environ.get("CONSTRAINED_SERVE_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"CONSTRAINED_SERVE_KERNELS must be one of {_CHOICES}, got {choice!r}")
+    return choice
 
 
 def use_triton(device: torch.device) -> bool:
-    choice = os.environ.get("CONSTRAINED_SERVE_KERNELS", "auto").lower()
+    global _warned_missing
+    choice = kernel_choice()
     if choice == "torch":
         return False
     if choice == "triton":
+        if not attention.HAS_TRITON:
+            raise RuntimeError("CONSTRAINED_SERVE_KERNELS=triton but triton is not installed")
         return True
-    return device.type == "cuda"
+    if device.type != "cuda":
+        return False
+    if not attention.HAS_TRITON:
+        if not _warned_missing:
+            logger.warning("triton is not installed: using the torch reference kernels on CUDA")
+            _warned_missing = True
+        return False
+    return True
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    if use_triton(k_cache.device):
+        return attention.store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return attention.store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale):
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if use_triton(q.device) and attention.triton_supports(q, k_cache):
+        return attention.paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return attention.paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
-def sample(logits, bitmask, temperature, top_k, top_p, min_p, seeds, *, all_greedy=False):
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    if use_triton(logits.device):
+        return sampling.apply_bitmask_triton(logits, bitmask)
+    return sampling.apply_bitmask_torch(logits, bitmask)
+
+
+def sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
+           top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
+           *, all_greedy: bool = False) -> torch.Tensor:
+    if use_triton(logits.device):
+        return sampling.sample_triton(logits, bitmask, temperature, top_k, top_p, min_p, seeds,
+                                      all_greedy=all_greedy)
     return sampling.sample_torch(logits, bitmask, temperature, top_k, top_p, min_p, seeds,
                                  all_greedy=all_greedy)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if use_triton(x.device) and x.shape[-1] <= 65536:
+        return norm.rms_norm_triton(x, weight, eps, residual)
+    return norm.rms_norm_torch(x, weight, eps, residual)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = q.shape[-1] // 2
+    if use_triton(q.device) and q.shape[-1] % 2 == 0 and half & (half - 1) == 0:
+        return norm.rotary_triton(positions, q, k, cos, sin)
+    return norm.rotary_torch(positions, q, k, cos, sin)

@@ -1,0 +1,466 @@
+"""Kernel checks and timings on a GPU: every Triton kernel against its torch reference on
+CUDA, then each kernel timed against the obvious torch alternative (medians over repeats).
+
+    python benchmarks/gpu_kernels.py                # on a CUDA machine
+    python benchmarks/gpu_kernels.py --cpu-smoke    # tiny sizes, CPU, TRITON_INTERPRET=1
+
+Writes JSON to $OUT/gpu_kernels.json (when $OUT is set) and benchmarks/results/<date>-<gpu>.json.
+Exit status 1 when any check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if "--cpu-smoke" in sys.argv:
+    # Must be set before triton is first imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from constrained_serve.kernels import attention as A  # noqa: E402
+from constrained_serve.kernels import norm as N  # noqa: E402
+from constrained_serve.kernels import sampling as S  # noqa: E402
+from tests.kernels.helpers import make_batch  # noqa: E402
+
+CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
+                 8: 26.124, 9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528,
+                 14: 36.123, 15: 37.697}
+
+
+class Bench:
+    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
+        self.device = device
+        self.repeats = repeats
+        self.warmup = warmup
+        self.checks: list[dict] = []
+        self.timings: list[dict] = []
+
+    def check(self, name: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            detail = fn()
+            entry = {"name": name, "ok": True, **(detail or {})}
+        except Exception as e:
+            entry = {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
+                     "traceback": traceback.format_exc()[-3000:]}
+        entry["seconds"] = round(time.perf_counter() - t0, 3)
+        self.checks.append(entry)
+        print(("PASS " if entry["ok"] else "FAIL ") + name + ("" if entry["ok"] else "\n" + entry["error"]),
+              flush=True)
+
+    def time_ms(self, fn) -> float:
+        """Median milliseconds of fn() over repeats (CUDA events on GPU, wall clock on CPU)."""
+        for _ in range(self.warmup):
+            fn()
+        samples = []
+        cuda = self.device.type == "cuda"
+        for _ in range(self.repeats):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+
+    def compare(self, name: str, shape: dict, impls: dict) -> None:
+        entry: dict = {"name": name, **shape}
+        for label, fn in impls.items():
+            try:
+                entry[f"{label}_ms"] = round(self.time_ms(fn), 4)
+            except Exception as e:
+                entry[f"{label}_error"] = f"{type(e).__name__}: {e}"[:500]
+        base = [k for k in entry if k.endswith("_ms") and not k.startswith("triton")]
+        if "triton_ms" in entry:
+            for k in base:
+                entry[f"speedup_vs_{k[:-3]}"] = round(entry[k] / max(entry["triton_ms"], 1e-9), 3)
+        self.timings.append(entry)
+        print("TIME " + json.dumps(entry), flush=True)
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def _paged(query_lens, seq_lens, page_size, hkv, group, d, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-L // page_size) for L in seq_lens) + 4
+    meta = make_batch(query_lens, seq_lens, page_size, num_pages, g)
+    for f in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(meta, f, getattr(meta, f).to(device))
+    kc = torch.randn(num_pages, page_size, hkv, d, generator=g).to(device=device, dtype=dtype)
+    vc = torch.randn(num_pages, page_size, hkv, d, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(sum(query_lens), hkv * group, d, generator=g).to(device=device, dtype=dtype)
+    return q, kc, vc, meta
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> dict:
+    err = (a.float() - b.float()).abs().max().item()
+    if not err <= tol:
+        raise AssertionError(f"max abs error {err} > {tol}")
+    return {"max_abs_err": err}
+
+
+_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def attention_checks(b: Bench, smoke: bool) -> None:
+    dev = b.device
+    if smoke:
+        mixed = ([1, 1, 4, 9], [7, 16, 20, 9])
+        decode = ([1, 1, 1], [5, 33, 70])
+        configs = [(16, 2, 2, 64, torch.float32), (32, 1, 4, 128, torch.bfloat16)]
+    else:
+        gl = torch.Generator().manual_seed(1)
+        nd = 24
+        dec_lens = torch.randint(1, 3000, (nd,), generator=gl).tolist()
+        pre_q = [512, 100, 257, 33]
+        pre_ctx = [0, 1000, 64, 4095]
+        mixed = ([1] * nd + pre_q, dec_lens + [c + n for c, n in zip(pre_ctx, pre_q)])
+        decode = ([1] * 16, torch.randint(1, 20000, (16,), generator=gl).tolist())
+        configs = [(ps, hkv, grp, d, dt)
+                   for ps in (16, 128) for (hkv, grp) in ((8, 4), (4, 1)) for d in (64, 128)
+                   for dt in (torch.bfloat16, torch.float16)] + [(16, 8, 4, 128, torch.float32)]
+    for ps, hkv, grp, d, dt in configs:
+        tag = f"ps{ps}_hkv{hkv}_g{grp}_d{d}_{str(dt)[6:]}"
+
+        def run_mixed(ps=ps, hkv=hkv, grp=grp, d=d, dt=dt):
+            q, kc, vc, meta = _paged(*mixed, ps, hkv, grp, d, dt, dev)
+            ref = A.paged_attention_torch(q, kc, vc, meta, d ** -0.5)
+            out = A.paged_attention_triton(q, kc, vc, meta, d ** -0.5, num_splits=1)
+            return _close(out, ref, _TOL[dt])
+
+        def run_split(ps=ps, hkv=hkv, grp=grp, d=d, dt=dt):
+            q, kc, vc, meta = _paged(*decode, ps, hkv, grp, d, dt, dev, seed=1)
+            ref = A.paged_attention_torch(q, kc, vc, meta, d ** -0.5)
+            res = {}
+            for ns in (None, 3, 8):
+                out = A.paged_attention_triton(q, kc, vc, meta, d ** -0.5, num_splits=ns)
+                res[f"splits_{ns}"] = _close(out, ref, _TOL[dt])["max_abs_err"]
+            return res
+
+        b.check(f"attention_mixed_{tag}", run_mixed)
+        b.check(f"attention_decode_split_{tag}", run_split)
+
+    def run_store():
+        g = torch.Generator().manual_seed(2)
+        T, hkv, d, pages, ps = (10, 2, 64, 6, 16) if smoke else (4096, 8, 128, 512, 16)
+        k = torch.randn(T, hkv, d, generator=g).to(dev, torch.bfloat16)
+        v = torch.randn(T, hkv, d, generator=g).to(dev, torch.bfloat16)
+        slots = torch.randperm(pages * ps, generator=g)[:T].to(dev)
+        kr = torch.zeros(pages, ps, hkv, d, device=dev, dtype=torch.bfloat16)
+        vr, kt, vt = kr.clone(), kr.clone(), kr.clone()
+        A.store_kv_torch(k, v, kr, vr, slots)
+        A.store_kv_triton(k, v, kt, vt, slots)
+        assert torch.equal(kr, kt) and torch.equal(vr, vt)
+
+    b.check("store_kv_bf16", run_store)
+
+
+def attention_timings(b: Bench, smoke: bool) -> None:
+    dev = b.device
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    hkv, grp, d, ps = (2, 2, 64, 16) if smoke else (8, 4, 128, 16)
+    scale = d ** -0.5
+    decode_cases = [(4, 64)] if smoke else [(64, 2048), (256, 1024), (8, 16384), (1, 32768)]
+    for B, L in decode_cases:
+        q, kc, vc, meta = _paged([1] * B, [L] * B, ps, hkv, grp, d, dt, dev)
+        pages = meta.block_tables[:, : -(-L // ps)].long()
+        kd = kc[pages].reshape(B, -1, hkv, d)[:, :L].transpose(1, 2).contiguous()
+        vd = vc[pages].reshape(B, -1, hkv, d)[:, :L].transpose(1, 2).contiguous()
+        qd = q.view(B, hkv * grp, 1, d)
+        splits = A.default_num_splits(meta, hkv)
+        b.compare("attention_decode", {"batch": B, "ctx": L, "hq": hkv * grp, "hkv": hkv, "d": d,
+                                       "page_size": ps, "num_splits": splits}, {
+            "triton": lambda: A.paged_attention_triton(q, kc, vc, meta, scale),
+            "triton_nosplit": lambda: A.paged_attention_triton(q, kc, vc, meta, scale, num_splits=1),
+            "sdpa_contiguous": lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale,
+                                                                       enable_gqa=True),
+            "torch_reference": lambda: A.paged_attention_torch(q, kc, vc, meta, scale),
+        })
+    prefill_cases = [(2, 16)] if smoke else [(4, 2048), (1, 8192)]
+    for B, n in prefill_cases:
+        q, kc, vc, meta = _paged([n] * B, [n] * B, ps, hkv, grp, d, dt, dev)
+        pages = meta.block_tables[:, : -(-n // ps)].long()
+        kd = kc[pages].reshape(B, -1, hkv, d)[:, :n].transpose(1, 2).contiguous()
+        vd = vc[pages].reshape(B, -1, hkv, d)[:, :n].transpose(1, 2).contiguous()
+        qd = q.view(B, n, hkv * grp, d).transpose(1, 2).contiguous()
+        b.compare("attention_prefill", {"batch": B, "chunk": n, "hq": hkv * grp, "hkv": hkv, "d": d}, {
+            "triton": lambda: A.paged_attention_triton(q, kc, vc, meta, scale),
+            "sdpa_contiguous": lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale,
+                                                                       is_causal=True, enable_gqa=True),
+            "torch_reference": lambda: A.paged_attention_torch(q, kc, vc, meta, scale),
+        })
+    nd, npf = (2, 1) if smoke else (64, 2)
+    ctx, chunk = (40, 8) if smoke else (2048, 512)
+    q, kc, vc, meta = _paged([1] * nd + [chunk] * npf, [ctx] * nd + [chunk + ctx] * npf, ps, hkv,
+                             grp, d, dt, dev)
+    b.compare("attention_mixed", {"decodes": nd, "ctx": ctx, "prefills": npf, "chunk": chunk}, {
+        "triton": lambda: A.paged_attention_triton(q, kc, vc, meta, scale),
+        "torch_reference": lambda: A.paged_attention_torch(q, kc, vc, meta, scale),
+    })
+    T = 16 if smoke else 8192
+    k = torch.randn(T, hkv, d, device=dev, dtype=dt)
+    v = torch.randn(T, hkv, d, device=dev, dtype=dt)
+    kc = torch.zeros(-(-T // ps) + 8, ps, hkv, d, device=dev, dtype=dt)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(kc.shape[0] * ps, device=dev)[:T]
+    b.compare("store_kv", {"tokens": T, "hkv": hkv, "d": d}, {
+        "triton": lambda: A.store_kv_triton(k, v, kc, vc, slots),
+        "torch_reference": lambda: A.store_kv_torch(k, v, kc, vc, slots),
+    })
+
+
+# ------------------------------------------------------------------------------- sampling
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    R, V = allowed.shape
+    W = -(-V // 32)
+    padded = torch.zeros(R, W * 32, dtype=torch.int64, device=allowed.device)
+    padded[:, :V] = allowed.long()
+    words = (padded.view(R, W, 32) << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _params(R: int, dev, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0) -> dict:
+    def col(v, dtype):
+        return v.to(dev, dtype) if isinstance(v, torch.Tensor) else torch.full((R,), v, dtype=dtype, device=dev)
+
+    return dict(temperature=col(temperature, torch.float32), top_k=col(top_k, torch.int64),
+                top_p=col(top_p, torch.float32), min_p=col(min_p, torch.float32),
+                seeds=torch.arange(seed0, seed0 + R, dtype=torch.int64, device=dev))
+
+
+def _expected(base: torch.Tensor, T: float, k: int, p: float, min_p: float) -> torch.Tensor:
+    probs = torch.softmax(base.double() / T, dim=-1)
+    sp, order = probs.sort(descending=True, stable=True)
+    keep = torch.ones_like(sp, dtype=torch.bool)
+    if 0 < k < len(sp):
+        keep[k:] = False
+    if p < 1.0:
+        keep &= (sp.cumsum(0) - sp) < p
+    if min_p > 0:
+        keep &= sp >= min_p * sp[0]
+    out = torch.zeros_like(probs)
+    out[order[keep]] = sp[keep]
+    return out / out.sum()
+
+
+def sampling_checks(b: Bench, smoke: bool) -> None:
+    dev = b.device
+    R, V = (64, 100) if smoke else (4096, 32000)
+
+    def bitmask_equal():
+        g = torch.Generator().manual_seed(0)
+        for dt in (torch.float32, torch.bfloat16, torch.float16):
+            logits = torch.randn(R, V, generator=g).to(dev, dt)
+            allowed = (torch.rand(R, V, generator=g) < 0.3).to(dev)
+            allowed[0] = True
+            bm = _pack(allowed)
+            assert torch.equal(S.apply_bitmask_torch(logits.clone(), bm),
+                               S.apply_bitmask_triton(logits.clone(), bm)), dt
+
+    def masked_never_and_greedy():
+        g = torch.Generator().manual_seed(1)
+        allowed = torch.rand(R, V, generator=g) < 0.2
+        allowed[torch.arange(R), torch.randint(0, V, (R,), generator=g)] = True
+        logits = (torch.randn(R, V, generator=g) + 8.0 * (~allowed).float()).to(dev, torch.bfloat16)
+        allowed = allowed.to(dev)
+        bm = _pack(allowed)
+        temperature = (torch.rand(R, generator=g) * 2.0)
+        temperature[::5] = 0.0
+        params = _params(R, dev, temperature, torch.randint(0, 50, (R,), generator=g),
+                         torch.where(torch.rand(R, generator=g) < 0.5, 0.9, 1.0),
+                         torch.where(torch.rand(R, generator=g) < 0.3, 0.05, 0.0))
+        tok = S.sample_triton(logits, bm, **params)
+        assert bool(allowed[torch.arange(R, device=dev), tok].all()), "drew a masked token"
+        want = logits.float().masked_fill(~allowed, -math.inf).argmax(-1)
+        greedy = S.sample_triton(logits, bm, **params, all_greedy=True)
+        assert torch.equal(greedy, want), "all_greedy != masked argmax"
+        zero = params["temperature"] == 0
+        assert torch.equal(tok[zero], want[zero]), "temperature 0 rows != masked argmax"
+        assert torch.equal(tok, S.sample_triton(logits, bm, **params)), "same seeds, other tokens"
+
+    def chi_square():
+        N = 3000 if smoke else 200_000
+        base = torch.linspace(-1.5, 1.5, 12)[torch.randperm(12, generator=torch.Generator().manual_seed(0))]
+        out = {}
+        for name, T, k, p, mp in (("plain", 1.0, 0, 1.0, 0.0), ("topk", 0.7, 5, 1.0, 0.0),
+                                  ("topp", 1.0, 0, 0.8, 0.0), ("all", 1.5, 6, 0.9, 0.05)):
+            tok = S.sample_triton(base.repeat(N, 1).to(dev), None, **_params(N, dev, T, k, p, mp))
+            counts = torch.bincount(tok, minlength=12).double().cpu()
+            exp = _expected(base, T, k, p, mp) * N
+            kept = exp > 0
+            assert counts[~kept].sum() == 0, (name, counts.tolist())
+            stat = float(((counts[kept] - exp[kept]) ** 2 / exp[kept]).sum())
+            df = int(kept.sum()) - 1
+            assert stat < CHI2_CRIT_001[df], (name, stat, df)
+            out[name] = round(stat, 2)
+        return {"chi2": out}
+
+    b.check("sampling_bitmask_equal", bitmask_equal)
+    b.check("sampling_masked_never_greedy_seeded", masked_never_and_greedy)
+    b.check("sampling_chi_square", chi_square)
+
+
+def sampling_timings(b: Bench, smoke: bool) -> None:
+    dev = b.device
+    R, V = (8, 300) if smoke else (256, 128256)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(R, V, generator=g).to(dev, dt)
+    allowed = (torch.rand(R, V, generator=g) < 0.5).to(dev)
+    bm = _pack(allowed)
+    plain = _params(R, dev, 1.0)
+    filt = _params(R, dev, 0.8, 50, 0.9, 0.0)
+
+    def torch_alternative():
+        x = logits.float().masked_fill(~S.unpack_bitmask(bm, V), float("-inf"))
+        return torch.multinomial(torch.softmax(x / 0.8, dim=-1), 1)
+
+    def torch_alternative_topk_topp():
+        x = logits.float().masked_fill(~S.unpack_bitmask(bm, V), float("-inf")) / 0.8
+        vals, idx = x.topk(50, dim=-1)
+        probs = torch.softmax(vals, dim=-1)
+        sp, order = probs.sort(dim=-1, descending=True)
+        sp = sp.masked_fill((sp.cumsum(-1) - sp) >= 0.9, 0.0)
+        pick = torch.multinomial(sp, 1)
+        return idx.gather(1, order.gather(1, pick))
+
+    shape = {"rows": R, "vocab": V}
+    b.compare("sample_plain", shape, {
+        "triton": lambda: S.sample_triton(logits, bm, **plain),
+        "torch_masked_softmax_multinomial": torch_alternative,
+    })
+    b.compare("sample_topk50_topp0.9", shape, {
+        "triton": lambda: S.sample_triton(logits, bm, **filt),
+        "torch_masked_topk_topp_multinomial": torch_alternative_topk_topp,
+        "torch_reference": lambda: S.sample_torch(logits, bm, **filt),
+    })
+    b.compare("sample_greedy", shape, {
+        "triton": lambda: S.sample_triton(logits, bm, **plain, all_greedy=True),
+        "torch_masked_argmax": lambda: logits.masked_fill(~S.unpack_bitmask(bm, V), float("-inf")).argmax(-1),
+    })
+    work = logits.clone()
+    b.compare("apply_bitmask", shape, {
+        "triton": lambda: S.apply_bitmask_triton(work, bm),
+        "torch_reference": lambda: S.apply_bitmask_torch(work, bm),
+    })
+
+
+# --------------------------------------------------------------------------- norm / rotary
+
+
+def _rope_tables(max_pos: int, d: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    f = torch.outer(torch.arange(max_pos, dtype=torch.float), inv)
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos().to(dev), emb.sin().to(dev)
+
+
+def norm_rotary(b: Bench, smoke: bool, timings: bool) -> None:
+    dev = b.device
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    T, H = (8, 96) if smoke else (8192, 4096)
+    hq, hkv, d = (4, 2, 64) if smoke else (32, 8, 128)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=g).to(dev, dt)
+    r = torch.randn(T, H, generator=g).to(dev, dt)
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(dev, dt)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(dev, dt)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(T, hq, d), k.view(T, hkv, d)
+    cos, sin = _rope_tables(4096, d, dev)
+    pos = torch.randint(0, 4096, (T,), generator=g).to(dev)
+
+    def check_norm():
+        out, res = N.rms_norm_triton(x, w, 1e-5, r)
+        ref, ref_res = N.rms_norm_torch(x, w, 1e-5, r)
+        assert torch.equal(res, ref_res), "residual sum differs"
+        return _close(out, ref, 3e-2)
+
+    def check_rotary():
+        tq, tk = N.rotary_triton(pos, q, k, cos, sin)
+        rq, rk = N.rotary_torch(pos, q, k, cos, sin)
+        return {"q": _close(tq, rq, 3e-2)["max_abs_err"], "k": _close(tk, rk, 3e-2)["max_abs_err"]}
+
+    b.check("rms_norm_residual", check_norm)
+    b.check("rotary_qkv_views", check_rotary)
+    if timings:
+        b.compare("rms_norm_residual", {"tokens": T, "hidden": H}, {
+            "triton": lambda: N.rms_norm_triton(x, w, 1e-5, r),
+            "torch_reference": lambda: N.rms_norm_torch(x, w, 1e-5, r),
+        })
+        b.compare("rotary", {"tokens": T, "hq": hq, "hkv": hkv, "d": d}, {
+            "triton": lambda: N.rotary_triton(pos, q, k, cos, sin),
+            "torch_reference": lambda: N.rotary_torch(pos, q, k, cos, sin),
+        })
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Triton kernel checks and timings")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny sizes on CPU under TRITON_INTERPRET=1 (checks the script itself)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--no-timings", action="store_true")
+    ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    smoke = args.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        print("no CUDA device: use --cpu-smoke", file=sys.stderr)
+        return 2
+    dev = torch.device("cpu" if smoke else "cuda")
+    b = Bench(dev, args.repeats or (2 if smoke else 30), args.warmup if args.warmup is not None else (1 if smoke else 5))
+    torch.manual_seed(0)
+    attention_checks(b, smoke)
+    sampling_checks(b, smoke)
+    norm_rotary(b, smoke, timings=not args.no_timings)
+    if not args.no_timings:
+        attention_timings(b, smoke)
+        sampling_timings(b, smoke)
+    gpu = "cpu-interpreter" if smoke else torch.cuda.get_device_name(0)
+    import triton
+
+    report = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": gpu, "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "smoke": smoke,
+        "checks_passed": sum(c["ok"] for c in b.checks), "checks_failed": sum(not c["ok"] for c in b.checks),
+        "checks": b.checks, "timings": b.timings,
+    }
+    text = json.dumps(report, indent=1)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
+    name = f"{_dt.date.today().isoformat()}-{slug}.json"
+    if not smoke:
+        Path(args.results_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.results_dir) / name).write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / ("gpu_kernels_smoke.json" if smoke else "gpu_kernels.json")).write_text(text)
+    print(f"checks: {report['checks_passed']} passed, {report['checks_failed']} failed", flush=True)
+    return 1 if report["checks_failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Paged attention and KV store: torch reference vs a naive dense attention, Triton vs the
+reference (under TRITON_INTERPRET=1 on CPU, on the real device in benchmarks/gpu_check.sh)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from constrained_serve.kernels import attention as A
+
+from .helpers import dense_causal_attention, make_batch, require_triton
+
+# (query_lens, seq_lens): decodes first. Lengths end mid-page, on a page boundary (16, 32,
+# 64), a chunk that is the whole prompt, a chunk after a cached prefix, and a 1-token prompt.
+MIXED = ([1, 1, 1, 5, 16, 7], [1, 16, 33, 21, 16, 64])
+PREFILL_ONLY = ([9, 32, 1], [9, 40, 1])
+DECODE_ONLY = ([1, 1, 1, 1], [1, 17, 32, 75])
+
+
+def _paged_case(query_lens, seq_lens, *, page_size=16, hkv=2, group=2, d=64,
+                dtype=torch.float32, seed=0):
+    """Writes each sequence's full K/V history into the pages via store_kv_torch."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-L // page_size) for L in seq_lens) + 3
+    meta = make_batch(query_lens, seq_lens, page_size, num_pages, g)
+    k_cache = torch.randn(num_pages, page_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, hkv, d, generator=g).to(dtype)
+    k_full, v_full = [], []
+    for b, L in enumerate(seq_lens):
+        k = torch.randn(L, hkv, d, generator=g).to(dtype)
+        v = torch.randn(L, hkv, d, generator=g).to(dtype)
+        pages = meta.block_tables[b, : -(-L // page_size)].long()
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:L]
+        A.store_kv_torch(k, v, k_cache, v_cache, slots)
+        k_full.append(k)
+        v_full.append(v)
+    q = torch.randn(sum(query_lens), hkv * group, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta, k_full, v_full
+
+
+@pytest.mark.parametrize("case", [MIXED, PREFILL_ONLY, DECODE_ONLY], ids=["mixed", "prefill", "decode"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_reference_matches_dense(case, group):
+    q, kc, vc, meta, kf, vf = _paged_case(*case, group=group)
+    scale = 64 ** -0.5
+    ref = A.paged_attention_torch(q, kc, vc, meta, scale)
+    dense = dense_causal_attention(q, kf, vf, meta, scale)
+    torch.testing.assert_close(ref.double(), dense, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_tolerates_padded_block_tables():
+    q, kc, vc, meta, kf, vf = _paged_case(*DECODE_ONLY)
+    bt = meta.block_tables.clone()
+    for b, L in enumerate(meta.seq_lens_host):
+        bt[b, -(-L // 16):] = -1
+    meta.block_tables = bt
+    dense = dense_causal_attention(q, kf, vf, meta, 0.125)
+    torch.testing.assert_close(A.paged_attention_torch(q, kc, vc, meta, 0.125).double(), dense,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_reference_writes_slots():
+    g = torch.Generator().manual_seed(1)
+    kc = torch.zeros(4, 16, 2, 8)
+    vc = torch.zeros(4, 16, 2, 8)
+    k, v = torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g)
+    slots = torch.tensor([5, 16 * 3 + 15, 16], dtype=torch.int64)
+    A.store_kv_torch(k, v, kc, vc, slots)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(kc[s // 16, s % 16], k[i]) and torch.equal(vc[s // 16, s % 16], v[i])
+    assert int((kc != 0).any(-1).any(-1).sum()) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_store_kv_triton_matches_reference(dtype):
+    require_triton()
+    g = torch.Generator().manual_seed(2)
+    num_pages, ps, hkv, d = 6, 16, 3, 64  # 3 heads: exercises the padded head block
+    k, v = torch.randn(10, hkv, d, generator=g), torch.randn(10, hkv, d, generator=g)
+    if dtype == torch.bfloat16:
+        # The engine hands K/V over in the cache dtype. (The interpreter's fp32 -> bf16 cast
+        # truncates where the GPU rounds, so a converting store is not bit-comparable there.)
+        k, v = k.to(dtype), v.to(dtype)
+    slots = torch.randperm(num_pages * ps, generator=g)[:10]
+    ref_k = torch.randn(num_pages, ps, hkv, d, generator=g).to(dtype)
+    ref_v = torch.randn(num_pages, ps, hkv, d, generator=g).to(dtype)
+    tri_k, tri_v = ref_k.clone(), ref_v.clone()
+    A.store_kv_torch(k, v, ref_k, ref_v, slots)
+    A.store_kv_triton(k, v, tri_k, tri_v, slots)
+    assert torch.equal(ref_k, tri_k) and torch.equal(ref_v, tri_v)
+    # A padding slot (-1) writes nothing.
+    before = tri_k.clone()
+    A.store_kv_triton(k[:2], v[:2], tri_k, tri_v, torch.tensor([-1, -1]))
+    assert torch.equal(before, tri_k)
+
+
+_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+TRITON_CASES = [
+    # (case, page_size, hkv, group, head_dim, dtype)
+    (MIXED, 16, 2, 1, 64, torch.float32),
+    (MIXED, 16, 2, 4, 64, torch.float16),
+    (MIXED, 32, 1, 2, 128, torch.bfloat16),
+    (PREFILL_ONLY, 16, 2, 2, 64, torch.float32),
+    (PREFILL_ONLY, 128, 2, 3, 64, torch.float16),
+    (DECODE_ONLY, 16, 2, 4, 128, torch.float32),
+    (DECODE_ONLY, 64, 1, 8, 64, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case,page_size,hkv,group,d,dtype", TRITON_CASES)
+def test_triton_attention_matches_reference(case, page_size, hkv, group, d, dtype):
+    require_triton()
+    q, kc, vc, meta, kf, vf = _paged_case(*case, page_size=page_size, hkv=hkv, group=group, d=d,
+                                          dtype=dtype, seed=3)
+    scale = d ** -0.5
+    ref = A.paged_attention_torch(q, kc, vc, meta, scale)
+    out = A.paged_attention_triton(q, kc, vc, meta, scale, num_splits=1)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = _TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_triton_attention_small_query_blocks():
+    """A chunk longer than one query block: several programs per sequence."""
+    require_triton()
+    q, kc, vc, meta, _, _ = _paged_case(*MIXED, group=2, seed=4)
+    ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)
+    out = A.paged_attention_triton(q, kc, vc, meta, 0.125, block_m=8, block_n=32)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_split_decode_matches_reference(num_splits, dtype):
+    require_triton()
+    # 75 keys in 8 splits of 16-key tiles: some splits are empty and must not count.
+    q, kc, vc, meta, _, _ = _paged_case(*DECODE_ONLY, group=4, dtype=dtype, seed=5)
+    ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)
+    out = A.paged_attention_triton(q, kc, vc, meta, 0.125, num_splits=num_splits)
+    tol = _TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_split_decodes_inside_a_mixed_batch():
+    """An explicit num_splits splits the decode rows; the prefill chunks run unsplit."""
+    require_triton()
+    q, kc, vc, meta, _, _ = _paged_case(*MIXED, seed=6)
+    ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)
+    out = A.paged_attention_triton(q, kc, vc, meta, 0.125, num_splits=4)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_store_then_attend_triton_end_to_end():
+    """One step as the engine runs it: store this step's K/V, then attend over the pages."""
+    require_triton()
+    g = torch.Generator().manual_seed(7)
+    query_lens, seq_lens, ps, hkv, group, d = [1, 1, 6], [9, 16, 6], 16, 2, 2, 64
+    meta = make_batch(query_lens, seq_lens, ps, 8, g)
+    kc_ref = torch.randn(8, ps, hkv, d, generator=g)
+    vc_ref = torch.randn(8, ps, hkv, d, generator=g)
+    kc, vc = kc_ref.clone(), vc_ref.clone()
+    T = sum(query_lens)
+    k_new, v_new = torch.randn(T, hkv, d, generator=g), torch.randn(T, hkv, d, generator=g)
+    q = torch.randn(T, hkv * group, d, generator=g)
+    A.store_kv_torch(k_new, v_new, kc_ref, vc_ref, meta.slot_mapping)
+    A.store_kv_triton(k_new, v_new, kc, vc, meta.slot_mapping)
+    ref = A.paged_attention_torch(q, kc_ref, vc_ref, meta, 0.125)
+    out = A.paged_attention_triton(q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_default_num_splits_uses_host_sizes_only():
+    g = torch.Generator().manual_seed(8)
+    long_decodes = make_batch([1, 1], [4000, 3000], 16, 512, g)
+    assert A.default_num_splits(long_decodes, num_kv_heads=8) > 1
+    short = make_batch([1, 1], [20, 30], 16, 8, g)
+    assert A.default_num_splits(short, num_kv_heads=8) == 1
+    mixed = make_batch([1, 5], [4000, 5], 16, 512, g)
+    assert A.default_num_splits(mixed, num_kv_heads=8) == 1

@@ -1,0 +1,205 @@
+"""Masked sampling: the torch reference and the fused Triton kernel (under TRITON_INTERPRET=1
+on CPU), checked against the definition: masks are never violated, greedy is the masked
+argmax, seeded draws are reproducible and follow the filtered softmax (chi-square)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from constrained_serve.kernels import sampling as S
+
+from .helpers import require_triton
+
+# Chi-square critical values at significance 0.001, by degrees of freedom (scipy is not
+# installed). Draws are seeded, so each test is deterministic; 0.001 keeps it from being
+# brittle to a change of seeds.
+CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
+                 8: 26.124, 9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528,
+                 14: 36.123, 15: 37.697}
+
+
+def _impl(name: str):
+    if name == "triton":
+        require_triton()
+        return S.sample_triton
+    return S.sample_torch
+
+
+def _params(R: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0):
+    def col(v, dtype):
+        if isinstance(v, torch.Tensor):
+            return v.to(dtype)
+        return torch.full((R,), v, dtype=dtype)
+
+    return dict(temperature=col(temperature, torch.float32), top_k=col(top_k, torch.int64),
+                top_p=col(top_p, torch.float32), min_p=col(min_p, torch.float32),
+                seeds=torch.arange(seed0, seed0 + R, dtype=torch.int64))
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [R, V] -> packed int32 [R, ceil(V/32)] (bit t%32 of word t//32)."""
+    R, V = allowed.shape
+    W = -(-V // 32)
+    padded = torch.zeros(R, W * 32, dtype=torch.int64)
+    padded[:, :V] = allowed.long()
+    words = (padded.view(R, W, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _expected(logits: torch.Tensor, allowed: torch.Tensor | None, T: float, k: int, p: float,
+              min_p: float) -> torch.Tensor:
+    """The filtered distribution by its definition, in float64, via a full sort."""
+    x = logits.double().clone()
+    if allowed is not None:
+        x[~allowed] = -math.inf
+    probs = torch.softmax(x / T, dim=-1)
+    sp, order = probs.sort(descending=True, stable=True)
+    keep = torch.ones_like(sp, dtype=torch.bool)
+    if 0 < k < len(sp):
+        keep[k:] = False
+    if p < 1.0:
+        keep &= (sp.cumsum(0) - sp) < p
+    keep &= sp > 0
+    if min_p > 0:
+        keep &= sp >= min_p * sp[0]
+    out = torch.zeros_like(probs)
+    out[order[keep]] = sp[keep]
+    return out / out.sum()
+
+
+# (name, logits, allowed-token mask or None, T, top_k, top_p, min_p). Logits cross zero and
+# one case is all negative and large: the Triton radix select orders floats by their bits.
+_V = 12
+_BASE = torch.linspace(-1.5, 1.5, _V)[torch.randperm(_V, generator=torch.Generator().manual_seed(0))]
+_MASK = torch.ones(_V, dtype=torch.bool)
+_MASK[[1, 4, 9]] = False
+CHI2_CASES = [
+    ("plain", _BASE, None, 1.0, 0, 1.0, 0.0),
+    ("temp_topk", _BASE, None, 0.7, 5, 1.0, 0.0),
+    ("topp_masked", _BASE, _MASK, 1.0, 0, 0.8, 0.0),
+    ("minp_negative", _BASE - 60.0, None, 1.3, 0, 1.0, 0.15),
+    ("all_filters", _BASE * 2, _MASK, 1.5, 6, 0.9, 0.05),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("case", CHI2_CASES, ids=[c[0] for c in CHI2_CASES])
+def test_seeded_draws_follow_filtered_softmax(impl, case):
+    sample = _impl(impl)
+    _, base, allowed, T, k, p, mp = case
+    N = 3000
+    logits = base.repeat(N, 1)
+    bitmask = None if allowed is None else _pack(allowed.repeat(N, 1))
+    tokens = sample(logits, bitmask, **_params(N, T, k, p, mp, seed0=1000))
+    counts = torch.bincount(tokens, minlength=_V).double()
+    expected = _expected(base, allowed, T, k, p, mp) * N
+    outside = expected == 0
+    assert counts[outside].sum() == 0, f"drew filtered-out tokens: {counts.tolist()}"
+    kept = ~outside
+    assert expected[kept].min() >= 5, "case too skewed for a chi-square test"
+    stat = float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
+    df = int(kept.sum()) - 1
+    assert stat < CHI2_CRIT_001[df], (stat, df, counts.tolist(), expected.tolist())
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_masked_tokens_never_chosen(impl):
+    sample = _impl(impl)
+    g = torch.Generator().manual_seed(1)
+    R, V = 2000, 70  # 70: the last bitmask word is partial
+    allowed = torch.rand(R, V, generator=g) < 0.3
+    allowed[torch.arange(R), torch.randint(0, V, (R,), generator=g)] = True
+    # Adversarial: forbidden tokens carry the largest logits.
+    logits = torch.randn(R, V, generator=g) + 8.0 * (~allowed).float()
+    temperature = torch.rand(R, generator=g) * 2.0
+    temperature[::7] = 0.0
+    top_k = torch.randint(0, 10, (R,), generator=g)
+    top_p = torch.where(torch.rand(R, generator=g) < 0.5, 0.9, 1.0)
+    min_p = torch.where(torch.rand(R, generator=g) < 0.3, 0.1, 0.0)
+    params = _params(R, temperature, top_k, top_p, min_p)
+    tokens = sample(logits, _pack(allowed), **params)
+    assert tokens.dtype == torch.int64 and tokens.shape == (R,)
+    assert bool(allowed[torch.arange(R), tokens].all())
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_is_masked_argmax(impl, dtype):
+    sample = _impl(impl)
+    g = torch.Generator().manual_seed(2)
+    R, V = 40, 300
+    logits = torch.randn(R, V, generator=g).to(dtype)
+    allowed = torch.rand(R, V, generator=g) < 0.5
+    allowed[0] = True  # an unconstrained row
+    allowed[1, :] = False
+    allowed[1, V - 1] = True  # a single allowed token, in the last partial word
+    want = logits.float().masked_fill(~allowed, -math.inf).argmax(-1)
+    bitmask = _pack(allowed)
+    got = sample(logits, bitmask, **_params(R, 0.0), all_greedy=True)
+    assert torch.equal(got, want)
+    # temperature == 0 rows among sampled rows
+    temperature = torch.where(torch.arange(R) % 2 == 0, 0.0, 1.0)
+    got = sample(logits, bitmask, **_params(R, temperature, top_k=3))
+    assert torch.equal(got[::2], want[::2])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_same_seed_same_token_whatever_the_batch(impl):
+    sample = _impl(impl)
+    g = torch.Generator().manual_seed(3)
+    R, V = 64, 50
+    logits = torch.randn(R, V, generator=g)
+    params = _params(R, 1.0, top_k=20, top_p=0.95)
+    a = sample(logits, None, **params)
+    b = sample(logits, None, **params)
+    assert torch.equal(a, b)
+    sub = {k: v[10:20] for k, v in params.items()}
+    assert torch.equal(sample(logits[10:20].contiguous(), None, **sub), a[10:20])
+    other = dict(params, seeds=params["seeds"] + 12345)
+    assert not torch.equal(sample(logits, None, **other), a)
+
+
+def test_reference_does_not_modify_logits():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 40, generator=g)
+    before = logits.clone()
+    allowed = torch.rand(4, 40, generator=g) < 0.5
+    allowed[:, 0] = True
+    S.sample_torch(logits, _pack(allowed), **_params(4, 1.0))
+    assert torch.equal(logits, before)
+
+
+def test_triton_keeps_ties_at_the_top_k_threshold():
+    """Documented difference: the sort-free select keeps every token tied at the k-th logit."""
+    require_triton()
+    base = torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0, 0.5])
+    N = 600
+    tokens = S.sample_triton(base.repeat(N, 1), None, **_params(N, 1.0, top_k=2))
+    assert set(torch.unique(tokens).tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("V", [64, 100])
+def test_bitmask_triton_matches_reference(dtype, V):
+    require_triton()
+    g = torch.Generator().manual_seed(5)
+    R = 6
+    logits = torch.randn(R, V, generator=g).to(dtype)
+    allowed = torch.rand(R, V, generator=g) < 0.4
+    allowed[0] = True
+    allowed[1] = False
+    bitmask = _pack(allowed)
+    assert int(bitmask[0, 0]) == -1
+    ref = S.apply_bitmask_torch(logits.clone(), bitmask)
+    out = S.apply_bitmask_triton(logits.clone(), bitmask, block_v=32)
+    assert torch.equal(ref, out)
+    assert torch.equal(out[0], logits[0])
+    assert bool(torch.isinf(out[~allowed]).all()) and torch.equal(out[allowed], logits[allowed])
+
+
+def test_pack_helper_matches_unpack():
+    g = torch.Generator().manual_seed(6)
+    allowed = torch.rand(3, 77, generator=g) < 0.5
+    assert torch.equal(S.unpack_bitmask(_pack(allowed), 77), allowed)
