@@ -1,6 +1,7 @@
 """``constrained-serve extract / generate / info`` end to end on the real default model."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -213,6 +214,26 @@ def test_generate_prints_json(engine, capsys) -> None:
     jsonschema.validate(value, json.loads(Path(SCHEMA).read_text()))
     assert main(["generate", "Pick a number", "--regex", "[0-9]{2}", "--max-tokens", "5"], engine=engine) == 0
     assert len(capsys.readouterr().out.strip()) == 2
+
+
+@pytest.mark.slow
+def test_generate_raw_prompt(engine, capsys) -> None:
+    argv = ["generate", "The capital of France is", "--raw", "--regex", " [A-Z][a-z]{2,10}", "--max-tokens", "6"]
+    assert main(argv, engine=engine) == 0
+    assert capsys.readouterr().out.startswith(" ")
+
+
+@pytest.mark.slow
+def test_extract_reads_stdin(engine, tmp_path, monkeypatch, capsys) -> None:
+    data = b'{"id": "x"}\nnot json\n{"id": "y", "text": 3}\n'
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+    out = tmp_path / "out.jsonl"
+    argv = ["extract", "-", "-o", str(out), "--regex", "[0-9]", "--max-tokens", "4", "--quiet"]
+    assert main(argv, engine=engine) == 0, capsys.readouterr().err
+    rows = read_rows(out)
+    assert [r["id"] for r in rows] == ["x", 2, "y"]
+    assert rows[0]["error"]["type"] == "missing_field" and rows[1]["error"]["type"] == "invalid_json"
+    assert rows[2]["output"].isdigit()  # a non-string field value is sent as its JSON text
 
 
 def test_info(capsys) -> None:
