@@ -282,7 +282,7 @@ def open_sinks(output: str, errors: str | None = None) -> Sinks:
 def error_type_name(name: str | None) -> str:
     """The engine reports exception class names ("PromptTooLongError"); rows use the
     snake_case style of the CLI's own types ("prompt_too_long")."""
-    if not name:
+    if not name or name in ("ValueError", "Exception"):  # too generic to name the problem
         return INVALID_OUTPUT
     if name.endswith("Error") and len(name) > 5:
         name = name[: -len("Error")]

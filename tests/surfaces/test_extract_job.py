@@ -204,6 +204,8 @@ def test_result_rows() -> None:
     assert too_long["error"] == {"type": "prompt_too_long", "message": "prompt too long"}
     bad = result_row("e", fake_result("{}", finish="stop", error="does not parse", error_type="JSONDecodeError"), json_output=True)
     assert bad["error"]["type"] == "json_decode"
+    bad = result_row("e", fake_result("{}", finish="stop", error="does not parse", error_type="ValueError"), json_output=True)
+    assert bad["error"]["type"] == "invalid_output"
 
 
 def test_pydantic_output_is_the_model_dump() -> None:
