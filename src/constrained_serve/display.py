@@ -1,0 +1,126 @@
+"""How a Result looks in Jupyter (``_repr_html_``) and in a terminal (``__repr__``).
+
+Both read only the public Result fields (text, json, parsed, finish_reason, usage, error),
+so they work on any object with that shape. Everything taken from the model or the user
+is HTML-escaped: model output is untrusted text inside the notebook page.
+"""
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+_MAX_TEXT = 2000  # characters of raw text shown before eliding; a repr must stay readable
+_MAX_ROWS = 50  # table rows shown before eliding
+
+
+def _value(result: Any) -> tuple[str, Any]:
+    """(kind, value): the richest view of the output the result has.
+
+    ``parsed`` is a Pydantic instance for a model schema, the JSON value itself for a plain
+    JSON Schema, and the text for regex / grammar outputs; only the first is worth a label.
+    """
+    parsed = getattr(result, "parsed", None)
+    value = getattr(result, "json", None)
+    dump = getattr(parsed, "model_dump", None)
+    if callable(dump):
+        return type(parsed).__name__, dump(mode="json")
+    if value is not None:
+        return "json", value
+    if parsed is not None and not isinstance(parsed, str):  # e.g. a TypeAdapter-validated type
+        return type(parsed).__name__, parsed
+    return "text", getattr(result, "text", "") or ""
+
+
+def _usage_line(result: Any) -> str:
+    usage = getattr(result, "usage", None)
+    if usage is None:
+        return ""
+    parts = [f"{getattr(usage, 'prompt_tokens', 0)} prompt"]
+    cached = getattr(usage, "cached_tokens", 0)
+    if cached:
+        parts[0] += f" ({cached} cached)"
+    parts.append(f"{getattr(usage, 'completion_tokens', 0)} generated")
+    forced = getattr(usage, "forced_tokens", 0)
+    if forced:
+        parts[-1] += f" ({forced} forced by the grammar)"
+    return "tokens: " + ", ".join(parts)
+
+
+def _elide(text: str, limit: int = _MAX_TEXT) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text) - limit} more characters)"
+
+
+def _pretty(value: Any) -> str:
+    return _elide(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+def _cell(value: Any) -> str:
+    """One table cell: scalars inline, nested values as small pretty JSON."""
+    if isinstance(value, str):
+        return html.escape(_elide(value, 500))
+    if isinstance(value, (dict, list)):
+        return f"<pre style='margin:0'>{html.escape(_pretty(value))}</pre>"
+    return f"<code>{html.escape(json.dumps(value, default=str))}</code>"
+
+
+def _table(obj: dict[str, Any]) -> str:
+    rows = []
+    for i, (key, value) in enumerate(obj.items()):
+        if i == _MAX_ROWS:
+            rows.append(f"<tr><td colspan='2'><i>… {len(obj) - _MAX_ROWS} more fields</i></td></tr>")
+            break
+        rows.append(
+            f"<tr><th style='text-align:left;vertical-align:top'>{html.escape(str(key))}</th>"
+            f"<td style='text-align:left'>{_cell(value)}</td></tr>"
+        )
+    return "<table>" + "".join(rows) + "</table>"
+
+
+def result_repr_html(result: Any) -> str:
+    """HTML for Jupyter: the output (a table for a flat-ish object, else pretty JSON or
+    text), then finish reason, token counts and any error."""
+    kind, value = _value(result)
+    if isinstance(value, dict) and value:
+        body = _table(value)
+    elif kind == "text":
+        body = f"<pre style='white-space:pre-wrap'>{html.escape(_elide(str(value)))}</pre>"
+    else:
+        body = f"<pre>{html.escape(_pretty(value))}</pre>"
+    finish = getattr(result, "finish_reason", None)
+    meta = [f"<b>{html.escape(kind)}</b>", f"finish: <code>{html.escape(str(finish))}</code>"]
+    usage = _usage_line(result)
+    if usage:
+        meta.append(html.escape(usage))
+    error = getattr(result, "error", None)
+    err_html = ""
+    if error:
+        etype = getattr(result, "error_type", None)
+        label = html.escape(f"{etype}: {error}" if etype else str(error))
+        err_html = f"<div style='color:#b00020'>error: {label}</div>"
+    return (
+        "<div class='constrained-serve-result'>"
+        f"{body}{err_html}"
+        f"<div style='color:#666;font-size:smaller'>{' · '.join(meta)}</div>"
+        "</div>"
+    )
+
+
+def result_repr_text(result: Any) -> str:
+    """One compact line (two with an error) for ``repr(result)``."""
+    kind, value = _value(result)
+    if kind == "text":
+        shown = repr(_elide(str(value), 200))
+    else:
+        shown = _elide(json.dumps(value, ensure_ascii=False, default=str), 200)
+        if kind != "json":
+            shown = f"{kind}({shown})"
+    fields = [f"finish_reason={getattr(result, 'finish_reason', None)!r}"]
+    usage = _usage_line(result)
+    if usage:
+        fields.append(usage)
+    error = getattr(result, "error", None)
+    if error:
+        etype = getattr(result, "error_type", None)
+        fields.append(f"error={(f'{etype}: ' if etype else '') + str(error)!r}")
+    return f"Result({shown}, {', '.join(fields)})"

@@ -1,0 +1,420 @@
+"""The resumable JSONL extraction job behind ``constrained-serve extract``.
+
+Data flow (all streaming, so inputs larger than memory are fine)::
+
+    input.jsonl --read_items()--> InputItem (prompt, or an error found before the model)
+        --run_extract()--> engine.generate_iter(prompts)  (continuous batching, input order)
+        --> rows, merged back into input order --> JsonlSink (append + flush per row)
+
+Resume: ``open_sinks`` locks the output file(s), truncates a partial last line left by a
+crash (the only damage a killed writer can leave, because every row is one ``write`` of a
+complete line followed by a flush) and returns the ids already written; ``read_items``
+skips those ids. So ``kill -9`` then a rerun gives exactly one row per input id.
+
+Nothing here needs a model: ``run_extract`` takes any object with the Engine's
+``generate_iter`` and the rest is plain file logic, unit-tested on its own.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import string
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO, Any, Callable, Iterable, Iterator, Mapping
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): resume still works, only the two-writer guard is lost
+    fcntl = None  # type: ignore[assignment]
+
+logger = logging.getLogger(__name__)
+
+# Error types written in error rows for problems found before the model sees a line.
+INVALID_UTF8 = "invalid_utf8"
+INVALID_JSON = "invalid_json"
+NOT_OBJECT = "not_object"
+INVALID_ID = "invalid_id"
+MISSING_FIELD = "missing_field"
+TRUNCATED = "truncated"
+INVALID_OUTPUT = "invalid_output"
+
+
+class OutputFileError(Exception):
+    """An existing output file that cannot be resumed safely (corrupt row, locked)."""
+
+
+# ---------------------------------------------------------------------------------------
+# Input side: lines -> items
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InputItem:
+    """One non-blank input line: either chat messages for the model, or an early error."""
+
+    line_no: int
+    id: Any  # the input's id field, or the 1-based line number when it has none
+    messages: list[dict[str, str]] | None = None
+    error: dict[str, str] | None = None
+
+
+def row_key(row_id: Any) -> str:
+    """Key of an id in the resume set. JSON text, so the id 1 and the id "1" stay distinct."""
+    return json.dumps(row_id, sort_keys=True, ensure_ascii=False)
+
+
+_FIELD_NAME = re.compile(r"^[^\W\d][\w-]*$")
+
+
+class PromptBuilder:
+    """Turns one input record into chat messages.
+
+    The system message (``instructions``) is the same for every line, so it is a shared
+    token prefix that the engine's prefix cache computes once for the whole file.
+    """
+
+    def __init__(self, field: str = "text", template: str | None = None, instructions: str | None = None):
+        self.template = template if template is not None else "{" + field + "}"
+        self.instructions = instructions
+        # Validate the template once, up front: a bad template is a usage error, not 10k error rows.
+        try:
+            self.fields = [name for _, name, _, _ in string.Formatter().parse(self.template) if name is not None]
+        except ValueError as e:
+            raise ValueError(f"bad --template {self.template!r}: {e}") from None
+        if not self.fields:
+            raise ValueError(f"--template {self.template!r} names no field; use e.g. '... {{text}} ...'")
+        for name in self.fields:
+            if not _FIELD_NAME.match(name):
+                raise ValueError(
+                    f"--template field {{{name}}} is not a plain field name (positional, index and "
+                    "attribute lookups are not supported; write {{ and }} for literal braces)"
+                )
+
+    def build(self, record: Mapping[str, Any]) -> list[dict[str, str]]:
+        """Chat messages for ``record``; KeyError naming the field when one is missing."""
+        values: dict[str, str] = {}
+        for name in self.fields:
+            value = record.get(name)
+            if value is None:
+                raise KeyError(name)
+            values[name] = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        user = self.template.format_map(values)
+        messages = [{"role": "user", "content": user}]
+        if self.instructions:
+            messages.insert(0, {"role": "system", "content": self.instructions})
+        return messages
+
+
+def _parse_line(raw: bytes, line_no: int, builder: PromptBuilder, id_field: str) -> InputItem:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return InputItem(line_no, line_no, error=_err(INVALID_UTF8, f"line {line_no} is not valid UTF-8: {e}"))
+    if line_no == 1:
+        text = text.lstrip("\ufeff")  # a byte-order mark some editors write
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return InputItem(line_no, line_no, error=_err(INVALID_JSON, f"line {line_no} is not valid JSON: {e}"))
+    if not isinstance(record, dict):
+        kind = type(record).__name__
+        return InputItem(line_no, line_no, error=_err(NOT_OBJECT, f"line {line_no} is a JSON {kind}, not an object"))
+    row_id = record.get(id_field)
+    if row_id is None:
+        row_id = line_no
+    elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        msg = f"line {line_no}: {id_field!r} must be a string or an integer, got {json.dumps(row_id)[:80]}"
+        return InputItem(line_no, line_no, error=_err(INVALID_ID, msg))
+    try:
+        messages = builder.build(record)
+    except KeyError as e:
+        msg = f"line {line_no} has no field {e.args[0]!r} (or it is null)"
+        return InputItem(line_no, row_id, error=_err(MISSING_FIELD, msg))
+    return InputItem(line_no, row_id, messages=messages)
+
+
+def read_items(
+    lines: Iterable[bytes],
+    builder: PromptBuilder,
+    *,
+    id_field: str = "id",
+    done: set[str] | None = None,
+    on_skip: Callable[[InputItem], None] | None = None,
+) -> Iterator[InputItem]:
+    """Items for every non-blank line whose id is not in ``done``, in input order.
+
+    Blank lines are skipped silently (a trailing newline is common in JSONL); they still
+    count for line numbers, so a line number always points into the file.
+    """
+    done = done or set()
+    for line_no, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        item = _parse_line(raw, line_no, builder, id_field)
+        if row_key(item.id) in done:
+            if on_skip is not None:
+                on_skip(item)
+            continue
+        yield item
+
+
+def count_rows(path: str) -> int:
+    """Non-blank lines of a file, streamed (for the progress bar's total)."""
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+def _err(kind: str, message: str) -> dict[str, str]:
+    return {"type": kind, "message": message}
+
+
+# ---------------------------------------------------------------------------------------
+# Output side: resume scan, repair, append
+# ---------------------------------------------------------------------------------------
+
+
+def scan_and_repair(f: IO[bytes], path: str) -> tuple[set[str], int]:
+    """Read the rows already in ``f``, cut a partial last line, return (id keys, #rows).
+
+    A line without its newline can only be a write cut short by a crash, so it is dropped
+    and that row is recomputed. A complete line that is not a JSON row is corruption we
+    did not make: refuse rather than guess.
+    """
+    f.seek(0)
+    keys: set[str] = set()
+    rows = 0
+    good_end = 0
+    for line_no, raw in enumerate(f, 1):
+        if not raw.endswith(b"\n"):
+            logger.warning("%s: dropping a partial last line (%d bytes) left by an interrupted run", path, len(raw))
+            break
+        good_end += len(raw)
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise OutputFileError(f"{path}: line {line_no} is not a JSON row ({e}); not appending to it") from None
+        if not isinstance(row, dict) or "id" not in row:
+            raise OutputFileError(f"{path}: line {line_no} is not an output row (no 'id'); not appending to it")
+        keys.add(row_key(row["id"]))
+        rows += 1
+    f.truncate(good_end)
+    f.seek(0, os.SEEK_END)
+    return keys, rows
+
+
+class JsonlSink:
+    """An output file opened for resumable appends: locked, repaired, one row per write."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f = open(path, "a+b")
+        try:
+            # Two runs appending to one file would interleave rows; the lock makes the
+            # second one fail fast. The OS drops it when the process dies, even on kill -9.
+            if fcntl is not None:
+                fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.close()
+            raise OutputFileError(f"{path} is being written by another run") from None
+        try:
+            self.done, self.rows_before = scan_and_repair(self._f, path)
+        except BaseException:
+            self._f.close()
+            raise
+
+    def write(self, row: dict[str, Any]) -> None:
+        # One write of a whole line, then flush: a kill can cut at most this line short,
+        # which the next run's scan_and_repair removes.
+        self._f.write(json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+@dataclass
+class Sinks:
+    """Where rows go: everything to ``out``, or error rows to ``errors`` when given."""
+
+    out: JsonlSink
+    errors: JsonlSink | None = None
+
+    @property
+    def done(self) -> set[str]:
+        return self.out.done | (self.errors.done if self.errors else set())
+
+    def write(self, row: dict[str, Any]) -> None:
+        sink = self.errors if (self.errors is not None and "error" in row) else self.out
+        sink.write(row)
+
+    def close(self) -> None:
+        self.out.close()
+        if self.errors is not None:
+            self.errors.close()
+
+
+def open_sinks(output: str, errors: str | None = None) -> Sinks:
+    if errors is not None and os.path.realpath(errors) == os.path.realpath(output):
+        raise OutputFileError("--errors must be a different file from the output")
+    out = JsonlSink(output)
+    try:
+        return Sinks(out, JsonlSink(errors) if errors else None)
+    except BaseException:
+        out.close()
+        raise
+
+
+# ---------------------------------------------------------------------------------------
+# Results -> rows, and the job loop
+# ---------------------------------------------------------------------------------------
+
+
+def error_type_name(name: str | None) -> str:
+    """The engine reports exception class names ("PromptTooLongError"); rows use the
+    snake_case style of the CLI's own types ("prompt_too_long")."""
+    if not name or name in ("ValueError", "Exception"):  # too generic to name the problem
+        return INVALID_OUTPUT
+    if name.endswith("Error") and len(name) > 5:
+        name = name[: -len("Error")]
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
+def usage_dict(result: Any) -> dict[str, int]:
+    usage = getattr(result, "usage", None)
+    names = ("prompt_tokens", "cached_tokens", "completion_tokens", "forced_tokens")
+    return {n: int(getattr(usage, n, 0) or 0) for n in names}
+
+
+def result_row(row_id: Any, result: Any, *, json_output: bool) -> dict[str, Any]:
+    """The output row for one engine Result.
+
+    A truncated output (finish_reason "length" before the constraint was complete) is an
+    error row of type "truncated" carrying the partial text, so the output file (or the
+    ok stream, with --errors) holds only complete, valid outputs.
+    """
+    finish = getattr(result, "finish_reason", None)
+    usage = usage_dict(result)
+    text = getattr(result, "text", "") or ""
+    error = getattr(result, "error", None)
+    if finish == "abort" or (error and finish != "length"):
+        kind = error_type_name(getattr(result, "error_type", None))
+        row_err = _err(kind, error or "the request was aborted")
+        return {"id": row_id, "error": row_err, "finish_reason": finish, "usage": usage}
+    value = getattr(result, "json", None) if json_output else text
+    dump = getattr(getattr(result, "parsed", None), "model_dump", None)
+    if json_output and callable(dump):
+        # A Pydantic model's own view: a schema from model_json_schema() leaves
+        # additionalProperties open, so the raw JSON may hold keys the model ignores.
+        value = dump(mode="json")
+    if finish == "length" and (not json_output or value is None):
+        msg = error or f"output truncated at max_tokens ({usage['completion_tokens']} tokens); raise --max-tokens"
+        return {"id": row_id, "error": {**_err(TRUNCATED, msg), "text": text}, "finish_reason": finish, "usage": usage}
+    if json_output and value is None:
+        row_err = {**_err(INVALID_OUTPUT, "the output did not parse as JSON"), "text": text}
+        return {"id": row_id, "error": row_err, "finish_reason": finish, "usage": usage}
+    return {"id": row_id, "output": value, "finish_reason": finish, "usage": usage}
+
+
+@dataclass
+class JobStats:
+    """Counters for the progress bar and the closing summary."""
+
+    ok: int = 0
+    failed: int = 0
+    truncated: int = 0
+    skipped: int = 0  # already in the output from an earlier run
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def rows(self) -> int:
+        return self.ok + self.failed + self.truncated
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        if "error" not in row:
+            self.ok += 1
+        elif row["error"].get("type") == TRUNCATED:
+            self.truncated += 1
+        else:
+            self.failed += 1
+        usage = row.get("usage") or {}
+        self.prompt_tokens += usage.get("prompt_tokens", 0)
+        self.cached_tokens += usage.get("cached_tokens", 0)
+        self.completion_tokens += usage.get("completion_tokens", 0)
+
+    def summary(self) -> str:
+        secs = max(time.perf_counter() - self.started, 1e-9)
+        valid = f"{100.0 * self.ok / self.rows:.1f}%" if self.rows else "n/a"
+        lines = [
+            f"rows: {self.rows} written ({self.ok} ok, {self.failed} failed, {self.truncated} truncated)"
+            + (f", {self.skipped} already done" if self.skipped else ""),
+            f"valid rate: {valid}",
+            f"throughput: {self.rows / secs:.2f} rows/s, {self.completion_tokens / secs:.1f} generated tokens/s "
+            f"in {secs:.1f}s",
+            f"tokens: {self.prompt_tokens} prompt ({self.cached_tokens} from prefix cache), "
+            f"{self.completion_tokens} generated",
+        ]
+        return "\n".join(lines)
+
+
+def run_extract(
+    engine: Any,
+    items: Iterable[InputItem],
+    write: Callable[[dict[str, Any]], None],
+    params: Any,
+    spec: Mapping[str, Any],
+    *,
+    json_output: bool,
+    stats: JobStats | None = None,
+    on_row: Callable[[dict[str, Any], JobStats], None] | None = None,
+    max_in_flight: int = 256,
+) -> JobStats:
+    """Run the items through ``engine.generate_iter`` and write one row per item, in order.
+
+    Items that failed before the model (bad JSON, missing field) never reach the engine;
+    they wait in ``pending`` and are written when every earlier item's row is out, so the
+    output keeps input order. ``generate_iter`` pulls items lazily, and an item is always
+    appended to ``pending`` before the engine sees it, so when the engine yields the k-th
+    result the k-th model item is already queued.
+    """
+    stats = stats or JobStats()
+    pending: deque[InputItem] = deque()
+
+    def prompts() -> Iterator[list[dict[str, str]]]:
+        for item in items:
+            pending.append(item)
+            if item.error is None:
+                yield item.messages  # type: ignore[misc]
+
+    def emit(row: dict[str, Any]) -> None:
+        write(row)
+        stats.add(row)
+        if on_row is not None:
+            on_row(row, stats)
+
+    def flush_errors() -> None:
+        while pending and pending[0].error is not None:
+            item = pending.popleft()
+            emit({"id": item.id, "error": item.error})
+
+    results = engine.generate_iter(prompts(), params, chat=True, max_in_flight=max_in_flight, **spec)
+    for result in results:
+        flush_errors()
+        item = pending.popleft()
+        emit(result_row(item.id, result, json_output=json_output))
+    flush_errors()
+    if pending:  # the engine returned fewer results than it was given prompts
+        raise RuntimeError(f"engine returned no result for {len(pending)} input rows")
+    return stats

@@ -1,0 +1,280 @@
+"""The JSONL job logic of ``constrained-serve extract``, without a model: input parsing,
+error rows, resume scan and repair, output locking, in-order merging of early error rows
+with engine results. The same paths run on the real model in test_cli_extract.py."""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from constrained_serve.extract import (
+    INVALID_ID,
+    INVALID_JSON,
+    INVALID_UTF8,
+    MISSING_FIELD,
+    NOT_OBJECT,
+    TRUNCATED,
+    JobStats,
+    OutputFileError,
+    PromptBuilder,
+    open_sinks,
+    read_items,
+    result_row,
+    row_key,
+    run_extract,
+)
+
+
+def lines(*texts: str | bytes) -> list[bytes]:
+    return [t if isinstance(t, bytes) else (t + "\n").encode() for t in texts]
+
+
+# ---------------------------------------------------------------------------------------
+# prompts
+
+
+def test_prompt_builder_field_and_instructions() -> None:
+    b = PromptBuilder(field="body", instructions="Extract it.")
+    assert b.build({"body": "hello"}) == [
+        {"role": "system", "content": "Extract it."},
+        {"role": "user", "content": "hello"},
+    ]
+    assert PromptBuilder().build({"text": "x"}) == [{"role": "user", "content": "x"}]
+
+
+def test_prompt_builder_template_uses_several_fields_and_dumps_non_strings() -> None:
+    b = PromptBuilder(template="Title: {title}\nTags: {tags}\n{{literal}}")
+    msgs = b.build({"title": "Broken", "tags": ["a", "b"]})
+    assert msgs[-1]["content"] == 'Title: Broken\nTags: ["a", "b"]\n{literal}'
+    with pytest.raises(KeyError, match="tags"):
+        b.build({"title": "only"})
+    with pytest.raises(KeyError):
+        b.build({"title": "x", "tags": None})  # null counts as missing
+
+
+@pytest.mark.parametrize("template", ["{", "no fields", "{0}", "{a.b}", "{a[0]}"])
+def test_prompt_builder_rejects_bad_templates_up_front(template: str) -> None:
+    with pytest.raises(ValueError):
+        PromptBuilder(template=template)
+
+
+# ---------------------------------------------------------------------------------------
+# input lines -> items
+
+
+def test_read_items_classifies_every_kind_of_line() -> None:
+    src = lines(
+        '{"id": "a", "text": "good"}',
+        "{not json",
+        "",  # blank: skipped, but still counts as line 3
+        '{"id": "b"}',  # no text
+        "[1, 2]",
+        b'{"text": "\xff\xfe"}\n',
+        '{"text": "no id"}',
+        '{"id": 1.5, "text": "x"}',
+    )
+    items = list(read_items(src, PromptBuilder()))
+    got = [(it.line_no, it.id, it.error["type"] if it.error else None) for it in items]
+    assert got == [
+        (1, "a", None),
+        (2, 2, INVALID_JSON),
+        (4, "b", MISSING_FIELD),
+        (5, 5, NOT_OBJECT),
+        (6, 6, INVALID_UTF8),
+        (7, 7, None),  # no id field: the line number is the id
+        (8, 8, INVALID_ID),
+    ]
+    assert items[0].messages == [{"role": "user", "content": "good"}]
+    assert "line 2" in items[1].error["message"]
+
+
+def test_read_items_skips_done_ids_and_strips_bom() -> None:
+    src = ["\ufeff".encode() + b'{"id": 1, "text": "a"}\n', b'{"id": "1", "text": "b"}\n', b'{"id": 2, "text": "c"}\n']
+    skipped = []
+    items = list(read_items(src, PromptBuilder(), done={row_key(1)}, on_skip=skipped.append))
+    # the integer id 1 is done; the string id "1" is a different row
+    assert [it.id for it in items] == ["1", 2]
+    assert [it.id for it in skipped] == [1]
+
+
+def test_custom_id_field() -> None:
+    items = list(read_items(lines('{"ticket": "T-9", "text": "x"}'), PromptBuilder(), id_field="ticket"))
+    assert items[0].id == "T-9"
+
+
+# ---------------------------------------------------------------------------------------
+# output files: resume scan, repair, lock
+
+
+def write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_resume_scan_collects_ids_and_cuts_a_partial_last_line(tmp_path) -> None:
+    out = str(tmp_path / "out.jsonl")
+    rows = b'{"id": 1, "output": {}}\n{"id": "x", "error": {"type": "invalid_json"}}\n'
+    write_file(out, rows + b'{"id": 3, "outp')  # killed mid-write
+    sinks = open_sinks(out)
+    assert sinks.done == {row_key(1), row_key("x")}
+    assert sinks.out.rows_before == 2
+    sinks.write({"id": 3, "output": {"a": 1}})
+    sinks.close()
+    with open(out, "rb") as f:
+        data = f.read()
+    assert data == rows + b'{"id": 3, "output": {"a": 1}}\n'
+
+
+def test_resume_scan_of_missing_and_empty_files(tmp_path) -> None:
+    out = str(tmp_path / "new.jsonl")
+    sinks = open_sinks(out)
+    assert sinks.done == set() and os.path.exists(out)
+    sinks.close()
+    write_file(out, b'{"id": 1, "out')  # only a partial line
+    sinks = open_sinks(out)
+    assert sinks.done == set()
+    sinks.close()
+    assert os.path.getsize(out) == 0
+
+
+@pytest.mark.parametrize("bad", [b"garbage\n", b'["no", "id"]\n', b'{"no_id": 1}\n'])
+def test_resume_refuses_a_corrupt_complete_line(tmp_path, bad: bytes) -> None:
+    out = str(tmp_path / "out.jsonl")
+    original = b'{"id": 1, "output": 1}\n' + bad + b'{"id": 2, "output": 2}\n'
+    write_file(out, original)
+    with pytest.raises(OutputFileError, match="line 2"):
+        open_sinks(out)
+    with open(out, "rb") as f:
+        assert f.read() == original  # left untouched
+
+
+def test_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path) -> None:
+    out = str(tmp_path / "out.jsonl")
+    first = open_sinks(out)
+    with pytest.raises(OutputFileError, match="another run"):
+        open_sinks(out)
+    first.close()
+    open_sinks(out).close()  # free again once closed
+
+
+def test_errors_file_gets_error_rows_and_counts_for_resume(tmp_path) -> None:
+    out, err = str(tmp_path / "out.jsonl"), str(tmp_path / "err.jsonl")
+    sinks = open_sinks(out, err)
+    sinks.write({"id": 1, "output": 1})
+    sinks.write({"id": 2, "error": {"type": "x", "message": "m"}})
+    sinks.close()
+    assert [json.loads(x)["id"] for x in open(out)] == [1]
+    assert [json.loads(x)["id"] for x in open(err)] == [2]
+    sinks = open_sinks(out, err)
+    assert sinks.done == {row_key(1), row_key(2)}
+    sinks.close()
+    with pytest.raises(OutputFileError):
+        open_sinks(out, out)
+
+
+# ---------------------------------------------------------------------------------------
+# results -> rows. Results here are plain records with the Result fields the CLI reads.
+
+
+def fake_result(text: str = "", json_value=None, finish: str = "stop", error=None, error_type=None):
+    usage = SimpleNamespace(prompt_tokens=10, cached_tokens=4, completion_tokens=5, forced_tokens=2)
+    return SimpleNamespace(
+        text=text, json=json_value, finish_reason=finish, error=error, error_type=error_type, usage=usage
+    )
+
+
+def test_result_rows() -> None:
+    ok = result_row("a", fake_result('{"x": 1}', {"x": 1}), json_output=True)
+    assert ok == {
+        "id": "a",
+        "output": {"x": 1},
+        "finish_reason": "stop",
+        "usage": {"prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 5, "forced_tokens": 2},
+    }
+    text = result_row("b", fake_result("2024-01-02"), json_output=False)
+    assert text["output"] == "2024-01-02"
+    cut = result_row("c", fake_result('{"x": ', None, "length", "output truncated"), json_output=True)
+    assert cut["error"] == {"type": TRUNCATED, "message": "output truncated", "text": '{"x": '}
+    assert cut["finish_reason"] == "length"
+    cut_text = result_row("c", fake_result("20", finish="length"), json_output=False)
+    assert cut_text["error"]["type"] == TRUNCATED and "max-tokens" in cut_text["error"]["message"]
+    too_long = result_row("d", fake_result(finish="abort", error="prompt too long", error_type="PromptTooLongError"), json_output=True)
+    assert too_long["error"] == {"type": "prompt_too_long", "message": "prompt too long"}
+    bad = result_row("e", fake_result("{}", finish="stop", error="does not parse", error_type="JSONDecodeError"), json_output=True)
+    assert bad["error"]["type"] == "json_decode"
+    bad = result_row("e", fake_result("{}", finish="stop", error="does not parse", error_type="ValueError"), json_output=True)
+    assert bad["error"]["type"] == "invalid_output"
+
+
+def test_pydantic_output_is_the_model_dump() -> None:
+    from pydantic import BaseModel
+
+    class M(BaseModel):
+        a: int
+
+    r = fake_result('{"a": 1, "extra": 2}', {"a": 1, "extra": 2})
+    r.parsed = M(a=1)
+    assert result_row(1, r, json_output=True)["output"] == {"a": 1}
+
+
+def test_job_stats_summary() -> None:
+    st = JobStats()
+    st.add({"id": 1, "output": 1, "usage": {"completion_tokens": 7, "prompt_tokens": 3, "cached_tokens": 1}})
+    st.add({"id": 2, "error": {"type": TRUNCATED}})
+    st.add({"id": 3, "error": {"type": INVALID_JSON}})
+    assert (st.ok, st.truncated, st.failed, st.rows) == (1, 1, 1, 3)
+    s = st.summary()
+    assert "1 ok, 1 failed, 1 truncated" in s and "valid rate: 33.3%" in s and "rows/s" in s
+
+
+# ---------------------------------------------------------------------------------------
+# merging: early error rows and engine results come out in input order
+
+
+class EchoEngine:
+    """A stand-in with generate_iter's contract (lazy pull, results in order): the output
+    is the user message's length. Only the merge order is under test here."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def generate_iter(self, prompts, params, *, chat, max_in_flight, **spec):
+        assert chat is True
+        window: list = []
+        for msgs in prompts:  # read ahead like continuous batching does
+            self.seen.append(msgs)
+            window.append(msgs)
+            if len(window) == max_in_flight:
+                yield from (self._result(m) for m in window)
+                window = []
+        yield from (self._result(m) for m in window)
+
+    @staticmethod
+    def _result(msgs):
+        n = len(msgs[-1]["content"])
+        return fake_result(json.dumps({"n": n}), {"n": n})
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 3, 100])
+def test_run_extract_keeps_input_order_around_error_rows(max_in_flight: int) -> None:
+    src = lines(
+        "oops",
+        '{"id": "a", "text": "x"}',
+        "oops",
+        "oops",
+        '{"id": "b", "text": "xy"}',
+        '{"id": "c"}',
+        '{"id": "d", "text": "xyz"}',
+        "oops",
+    )
+    rows: list = []
+    engine = EchoEngine()
+    stats = run_extract(
+        engine, read_items(src, PromptBuilder()), rows.append, None, {}, json_output=True, max_in_flight=max_in_flight
+    )
+    assert [r["id"] for r in rows] == [1, "a", 3, 4, "b", "c", "d", 8]
+    assert [r["output"]["n"] for r in rows if "output" in r] == [1, 2, 3]
+    assert len(engine.seen) == 3  # error lines never reach the engine
+    assert (stats.ok, stats.failed) == (3, 5)
