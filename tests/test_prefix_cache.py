@@ -46,7 +46,8 @@ def test_shared_prefix_is_computed_once(tiny_engine_factory):
     off = tiny_engine_factory(enable_prefix_cache=False)
     off.generate(prompts, p)
     on = tiny_engine_factory()
-    res = on.generate(prompts[:1], p) + on.generate(prompts[1:], p)
+    on.core.check_each_step = True
+    res = on.generate(prompts, p)  # all at once: in-batch sharing, not only across batches
     n_prefix = len(on.encode_prompt(instruction)) // 16 * 16
     computed_off = off.core.runner.tokens_computed
     computed_on = on.core.runner.tokens_computed
@@ -70,7 +71,7 @@ def test_conversation_appends_and_releases(tiny_engine_factory):
         assert eng.core.runner.tokens_computed - before <= (len(hist) - r2.usage.cached_tokens) + new_tokens + 6
         assert len(conv.history) == 5 and conv.history[-1]["content"] == r2.text
         assert conv.pages  # history pinned while open
-        eng.check = eng.core.check_integrity()
+        eng.core.check_integrity()
     assert not conv.pages and conv.closed
     eng.core.check_integrity()
     assert r1.finish_reason == "length"

@@ -126,7 +126,8 @@ class EngineCore:
         return self._drain()
 
     def _only_compiling(self) -> bool:
-        return any(r.grammar_future is not None and not r.grammar_future.done() for r in self.scheduler.waiting)
+        """Waiting requests whose grammar is not attached yet (compiling, or just done)."""
+        return any(r.grammar_future is not None for r in self.scheduler.waiting)
 
     def _drain(self) -> list[Request]:
         done, self.finished_queue = self.finished_queue, []
@@ -143,6 +144,10 @@ class EngineCore:
     def _update(self, batch: Batch, tokens: list[int]) -> None:
         for c in batch.chunks:
             c.request.num_computed += c.num_new
+            if c.num_new > 1:
+                # Publish prefill progress to the prefix cache now, not at finish, so requests
+                # waiting on the same prefix (admitted next step) reuse these pages.
+                self.kv.share_progress(c.request)
         for c, tok in zip(batch.sampling_chunks, tokens):
             r = c.request
             r.token_ids.append(tok)

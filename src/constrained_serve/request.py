@@ -37,7 +37,8 @@ class Request:
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served by the prefix cache at (first) admission
     pages: list[int] = field(default_factory=list)
-    cache_node: Any = None  # locked radix node matched at admission
+    cache_node: Any = None  # locked radix node covering pages[:num_shared // page_size]
+    num_shared: int = 0  # leading tokens whose pages are shared with the prefix cache
     status: Status = Status.WAITING
 
     # grammar

@@ -71,10 +71,18 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting.popleft()
-            if r.grammar_future is not None and not r.grammar_future.done():
-                skipped.append(r)  # its grammar is compiling: let the others go ahead
+            if r.grammar_future is not None:
+                # Its grammar is compiling, or compiled but not attached yet (the engine
+                # attaches matchers before the next schedule): let the others go ahead.
+                skipped.append(r)
                 continue
             self.kv.match_prefix(r)
+            if self._prefix_in_flight(r, scheduled):
+                # A running request is computing the very next page of r's prompt right now:
+                # wait one step and reuse it from the cache instead of computing it twice.
+                self.kv.release(r, cache_tokens=False)
+                skipped.append(r)
+                continue
             n = min(r.num_pending, budget)
             if not self.kv.ensure_pages(r, r.num_computed + n):
                 self.kv.release(r, cache_tokens=False)
@@ -86,6 +94,24 @@ class Scheduler:
             budget -= n
         for r in reversed(skipped):
             self.waiting.appendleft(r)
+
+    def _prefix_in_flight(self, r: Request, scheduled: dict[int, ScheduledChunk]) -> bool:
+        """Does a prefilling request share r's first uncached page (in-batch prefix sharing)?"""
+        if self.kv.radix is None:
+            return False
+        ps = self.kv.page_size
+        start = r.num_computed
+        end = start + ps
+        if end >= r.num_tokens:  # less than a page left to compute: nothing to share
+            return False
+        head = r.token_ids[:end]
+        for other in self.running:
+            c = scheduled.get(other.request_id)
+            # other will hold the page [start, end) after this step (or already computes it).
+            upto = other.num_computed + (c.num_new if c is not None else 0)
+            if upto > start and other.num_tokens >= end and other.token_ids[:end] == head:
+                return True
+        return False
 
     def _preempt(self, r: Request) -> None:
         logger.debug("preempting request %d (%d tokens)", r.request_id, r.num_tokens)

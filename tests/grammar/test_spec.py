@@ -87,3 +87,24 @@ def test_other_kinds():
 def test_bad_arguments_name_the_argument(kwargs, word):
     with pytest.raises(GrammarError, match=word):
         make_output_spec(**kwargs)
+
+
+def test_pydantic_models_are_closed_unless_extra_allowed():
+    from pydantic import BaseModel, ConfigDict
+
+    from constrained_serve.grammar.spec import make_output_spec
+
+    class Item(BaseModel):
+        name: str
+
+    class Order(BaseModel):
+        items: list[Item]
+
+    class Open(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        name: str
+
+    closed = json.loads(make_output_spec(schema=Order).text)
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["Item"]["additionalProperties"] is False
+    assert json.loads(make_output_spec(schema=Open).text)["additionalProperties"] is True

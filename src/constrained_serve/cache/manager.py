@@ -38,6 +38,7 @@ class KVCacheManager:
         r.cache_node = m.node
         r.pages = list(m.pages)
         r.num_computed = m.num_tokens
+        r.num_shared = m.num_tokens
         if r.num_preemptions == 0 and r.num_cached == 0:
             r.num_cached = min(m.num_tokens, r.num_prompt)
 
@@ -53,6 +54,28 @@ class KVCacheManager:
             return False
         return True
 
+    def share_progress(self, r: Request) -> None:
+        """Insert r's computed whole pages into the cache while it runs, and re-point r at
+        the cached pages (lock moved to the deeper node). A page r computed in duplicate of
+        one another request inserted first is swapped for the cached one and freed."""
+        if self.radix is None:
+            return
+        n = (r.num_computed // self.page_size) * self.page_size
+        if n == 0 or n <= r.num_shared:
+            return
+        npages = n // self.page_size
+        self.radix.insert(r.token_ids[:n], r.pages[:npages])
+        m = self.radix.match_prefix(r.token_ids[:n])
+        assert m.num_tokens == n, "just-inserted prefix not found in the cache"
+        self.radix.lock(m.node)
+        self.pool.incref(m.pages)  # before the decref below: the same page may be in both
+        self.pool.decref(r.pages[:npages])
+        if r.cache_node is not None:
+            self.radix.unlock(r.cache_node)
+        r.cache_node = m.node
+        r.pages[:npages] = m.pages
+        r.num_shared = n
+
     def release(self, r: Request, cache_tokens: bool) -> None:
         """Give back r's pages; with cache_tokens, first offer its computed KV to the cache."""
         if self.radix is not None and cache_tokens and r.pages:
@@ -62,6 +85,7 @@ class KVCacheManager:
         if self.radix is not None and r.cache_node is not None:
             self.radix.unlock(r.cache_node)
         r.cache_node = None
+        r.num_shared = 0
         self.pool.decref(r.pages)
         r.pages = []
 

@@ -40,10 +40,26 @@ def _schema_from_type(tp: Any) -> tuple[dict, Any]:
 
     try:
         if isinstance(tp, type) and issubclass(tp, BaseModel):
-            return tp.model_json_schema(), tp
-        return TypeAdapter(tp).json_schema(), tp
+            return _close_objects(tp.model_json_schema()), tp
+        return _close_objects(TypeAdapter(tp).json_schema()), tp
     except Exception as e:  # pydantic raises several error types for unusable types
         raise GrammarError(f"schema: cannot build a JSON Schema from type {tp!r}: {e}", reason=str(e)) from e
+
+
+def _close_objects(node: Any) -> Any:
+    """Pydantic ignores unknown keys by default but leaves ``additionalProperties`` open in the
+    schema, so the grammar would let the model invent keys that parsing then drops. Close
+    every object that declares properties and says nothing about extras (``extra="allow"``
+    models say ``additionalProperties: true`` and stay open)."""
+    if isinstance(node, dict):
+        for v in node.values():
+            _close_objects(v)
+        if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    elif isinstance(node, list):
+        for v in node:
+            _close_objects(v)
+    return node
 
 
 def _normalize_schema(schema: Any, arg: str) -> tuple[dict | bool, Any]:
