@@ -47,6 +47,19 @@ def test_reference_matches_dense(case, group):
     torch.testing.assert_close(ref.double(), dense, atol=1e-5, rtol=1e-5)
 
 
+def test_reference_length_buckets_match_dense():
+    """Many decode rows of very different lengths (shuffled) take the bucketed gather path."""
+    import random
+
+    rng = random.Random(3)
+    lens = [rng.choice([1, 15, 16, 17, 40, 64, 90, 130]) for _ in range(40)] + [3, 7]
+    q, kc, vc, meta, kf, vf = _paged_case([1] * 40 + [3, 7], lens, group=3, hkv=1)
+    assert len(A._length_buckets(meta.seq_lens_host[:40])) > 1
+    ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)
+    dense = dense_causal_attention(q, kf, vf, meta, 0.125)
+    torch.testing.assert_close(ref.double(), dense, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_tolerates_padded_block_tables():
     q, kc, vc, meta, kf, vf = _paged_case(*DECODE_ONLY)
     bt = meta.block_tables.clone()
