@@ -32,8 +32,13 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests
 
+# The CPU benchmarks of the issues (medians and ratios against baselines run in the same process).
 bench: setup
+	$(PIP) install -q -e ".[bench]"
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/structured.py
+	$(PY) benchmarks/prefix_cache.py
+	$(PY) benchmarks/masks.py --limit 300
 
 clean:
 	rm -rf $(VENV) build *.egg-info

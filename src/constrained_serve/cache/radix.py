@@ -125,6 +125,13 @@ class RadixCache:
         ps = self.page_size
         n_pages = len(tokens) // ps
         key_tokens = tuple(tokens[: n_pages * ps])
+        node, i, pages = self._walk(key_tokens, n_pages)
+        return MatchResult(pages=pages, num_tokens=i * ps, node=node)
+
+    def _walk(self, key_tokens: tuple[int, ...], n_pages: int) -> tuple[Node, int, list[int]]:
+        """Follow the tree along key_tokens, splitting the last node at the point of divergence.
+        Returns (deepest node reached, pages matched, their page ids); refreshes last_access."""
+        ps = self.page_size
         self._clock += 1
         node = self.root
         pages: list[int] = []
@@ -140,7 +147,7 @@ class RadixCache:
             pages.extend(child.pages)
             node = child
             i += m
-        return MatchResult(pages=pages, num_tokens=i * ps, node=node)
+        return node, i, pages
 
     # ------------------------------------------------------------------ locking
 
@@ -179,19 +186,7 @@ class RadixCache:
         if len(pages) < n_pages:
             raise ValueError(f"{len(tokens)} tokens need {n_pages} pages, got {len(pages)}")
         key_tokens = tuple(tokens[: n_pages * ps])
-        self._clock += 1
-        node = self.root
-        i = 0
-        while i < n_pages:
-            child = node.children.get(key_tokens[i * ps : (i + 1) * ps])
-            if child is None:
-                break
-            m = self._common_pages(child, key_tokens, i, n_pages)
-            if m < child.num_pages:
-                child = self._split(child, m)
-            child.last_access = self._clock
-            node = child
-            i += m
+        node, i, _ = self._walk(key_tokens, n_pages)
         if i < n_pages:
             new_pages = tuple(pages[i:n_pages])
             # The caller must hold these pages: incref asserts they are not free.

@@ -140,15 +140,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # --------------------------------------------------------------------------------------------
 # Triton kernels. Imported lazily so the package (and the CPU path) works without triton.
 # --------------------------------------------------------------------------------------------
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ._triton import HAS_TRITON, tl, triton  # noqa: F401
 
 
 def _interpreting() -> bool:

@@ -11,15 +11,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ._triton import HAS_TRITON, tl, triton  # noqa: F401
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,

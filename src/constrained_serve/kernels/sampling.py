@@ -91,15 +91,7 @@ def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature
 # arbitrary subset of them); the noise stream differs from the reference's torch generator,
 # so the two agree in distribution, not draw for draw.
 # --------------------------------------------------------------------------------------------
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ._triton import HAS_TRITON, tl, triton  # noqa: F401
 
 
 if HAS_TRITON:
