@@ -160,8 +160,9 @@ def run_outlines(model_dir, tok, convs, max_tokens, batch):
     return go
 
 
-def measure(name, go, repeats):
-    go()  # warm-up
+def measure(name, go, repeats, warmup=True):
+    if warmup:  # first-call allocations; the slow baselines skip it (their first batch warms up)
+        go()
     runs = [timed(go) for _ in range(repeats)]
     wall = median([t for t, _ in runs])
     toks = median([n / t for t, (n, _) in runs])
@@ -193,12 +194,13 @@ def main() -> None:
     baselines = []
     if not args.skip_hf:
         res["hf_xgrammar"] = measure("(c) HF generate + xgrammar", run_hf_xgrammar(
-            engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch), args.repeats)
+            engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch), args.repeats, warmup=False)
         baselines.append(res["hf_xgrammar"]["wall_s"])
     if not args.skip_outlines:
         try:
             res["outlines"] = measure("(d) Outlines (transformers)", run_outlines(
-                engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch), args.repeats)
+                engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch), args.repeats,
+                warmup=False)
             baselines.append(res["outlines"]["wall_s"])
         except ImportError as e:
             print(f"(d) Outlines not installed ({e}); `pip install outlines` to include it")
