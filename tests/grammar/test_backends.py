@@ -6,8 +6,6 @@ import logging
 
 import pytest
 import torch
-from pydantic import BaseModel
-from typing_extensions import TypedDict
 
 from constrained_serve.errors import GrammarError
 from constrained_serve.grammar import GrammarManager, make_output_spec
@@ -17,14 +15,7 @@ MODEL_VOCAB = 49152  # SmolLM2-135M logits width (as in conftest)
 EOS = 2
 
 
-class Person(BaseModel):
-    name: str
-    age: int
-
-
-class Point(TypedDict):
-    x: int
-    y: int
+from grammar_test_types import Person, Point  # noqa: E402
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -4,21 +4,12 @@ import dataclasses
 import json
 
 import pytest
-from pydantic import BaseModel
-from typing_extensions import TypedDict
 
 from constrained_serve.errors import GrammarError
 from constrained_serve.grammar import make_output_spec, parse_output
 
 
-class Person(BaseModel):
-    name: str
-    age: int
-
-
-class Point(TypedDict):
-    x: int
-    y: int
+from grammar_test_types import Person, Point  # noqa: E402
 
 
 @dataclasses.dataclass
