@@ -295,17 +295,6 @@ class Engine:
             return list(item)  # pre-tokenized prompt
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(item).__name__}")
 
-    def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                     spec: OutputSpec | None = None, on_delta=None) -> Result:
-        """Run one pre-tokenized prompt to completion (used by conversations and streaming)."""
-        r = self._new_request(prompt_ids, params or SamplingParams(), spec, 0, None)
-        r.on_delta = on_delta
-        self.core.add(r)
-        while not r.finished:
-            self.core.step()
-        self.core._drain()
-        return self._result(r)
-
     # ------------------------------------------------------------------ streaming and conversations
     def stream(self, prompt: str | Messages, params: SamplingParams | None = None,
                **spec_kwargs: Any) -> Iterator[str]:

@@ -188,9 +188,3 @@ class EngineCore:
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         self.kv.check_integrity(list(self.scheduler.running) + list(self.page_holders))
-
-    def run(self, requests: list[Request]) -> None:
-        for r in requests:
-            self.add(r)
-        while any(not r.finished for r in requests):
-            self.step()

@@ -111,7 +111,6 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         for rows in _length_buckets(meta.seq_lens_host[:nd]):
             _decode_rows(q, k_cache, v_cache, meta, scale, rows, out)
 
-    starts = meta.query_start_loc
     qsl = [0]
     for n in meta.query_lens_host:
         qsl.append(qsl[-1] + n)
@@ -133,7 +132,6 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                            enable_gqa=group > 1)
         out[s:e] = o.transpose(0, 1)
-    del starts
     return out
 
 
