@@ -190,3 +190,22 @@ def test_default_num_splits_uses_host_sizes_only():
     assert A.default_num_splits(short, num_kv_heads=8) == 1
     mixed = make_batch([1, 5], [4000, 5], 16, 512, g)
     assert A.default_num_splits(mixed, num_kv_heads=8) == 1
+
+
+def test_reference_batches_short_chunks_with_padding():
+    """Short chunks (forced tokens after decoding) of several lengths, among decodes and a long
+    chunk: batched in one SDPA call per length bucket, queries padded to the longest chunk."""
+    import random
+
+    rng = random.Random(5)
+    decodes = [rng.choice([3, 16, 17, 50]) for _ in range(5)]
+    chunks = [(n, n + rng.choice([0, 1, 15, 16, 40])) for n in [2, 3, 5, 16, 1, 7] * 6]
+    qlens = [1] * 5 + [n for n, _ in chunks] + [40]
+    lens = decodes + [L for _, L in chunks] + [70]
+    q, kc, vc, meta, kf, vf = _paged_case(qlens, lens, group=3, hkv=2)
+    groups = A._short_groups(meta, 16, 3, q.device)
+    assert sum(g.mask.shape[0] for g in groups) == 5 + len(chunks)  # every short row batched
+    assert any(g.nmax == 16 for g in groups) and any(g.out_select is not None for g in groups)
+    ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)
+    dense = dense_causal_attention(q, kf, vf, meta, 0.125)
+    torch.testing.assert_close(ref.double(), dense, atol=1e-5, rtol=1e-5)
