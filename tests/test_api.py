@@ -52,3 +52,17 @@ def test_module_level_generate_returns_one_or_many(monkeypatch, tiny_engine_fact
 def test_device_auto_is_cpu_here(tiny_llama_dir):
     eng = Engine(model=str(tiny_llama_dir), device="auto", kv_cache_tokens=256)
     assert eng.device.type == "cpu"
+
+
+def test_one_sampling_params_per_prompt(tiny_engine_factory):
+    """A list of SamplingParams applies one per prompt; each request keeps its own limits."""
+    eng = tiny_engine_factory()
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 5, 1)]
+    rs = eng.generate(["a b", "c d", "e f"], params)
+    assert [len(r.token_ids) for r in rs] == [2, 5, 1]
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        eng.generate(["a", "b", "c"], params[:2])
+    with pytest.raises(TypeError, match="list of SamplingParams needs a list of prompts"):
+        list(eng.generate_iter(iter(["a", "b", "c"]), params))
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        eng.generate(["a"], [{"max_tokens": 3}])

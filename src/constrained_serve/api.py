@@ -9,7 +9,7 @@ import logging
 import os
 import random
 from collections import deque
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -190,16 +190,21 @@ class Engine:
                       index=index, prompt=prompt)
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: str | Sequence[str], params: SamplingParams | None = None, *,
-                 progress: bool = False, raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
-        """Raw prompts (no chat template). One Result per prompt, in input order."""
+    def generate(self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, progress: bool = False, raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
+        """Raw prompts (no chat template). One Result per prompt, in input order.
+
+        ``params`` is one SamplingParams for all prompts or a list with one per prompt."""
         if isinstance(prompts, str):
             return self._run([prompts], params, False, progress, raise_on_error, spec_kwargs, single=True)
         return self._run(list(prompts), params, False, progress, raise_on_error, spec_kwargs, single=False)
 
-    def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None, *,
+    def chat(self, messages: Messages | Sequence[Messages],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              progress: bool = False, raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
-        """Message lists, rendered with the model's chat template. One Result per conversation."""
+        """Message lists, rendered with the model's chat template. One Result per conversation.
+
+        ``params`` is one SamplingParams for all conversations or a list with one per conversation."""
         single = len(messages) > 0 and isinstance(messages[0], dict)
         items = [messages] if single else list(messages)
         return self._run(items, params, True, progress, raise_on_error, spec_kwargs, single=single)
@@ -210,7 +215,7 @@ class Engine:
             raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {b!r}")
         return b
 
-    def _run(self, items: list, params: SamplingParams | None, chat: bool, progress: bool,
+    def _run(self, items: list, params: SamplingParams | Sequence[SamplingParams] | None, chat: bool, progress: bool,
              raise_on_error: bool, spec_kwargs: dict[str, Any], single: bool) -> list[Result]:
         return list(self._iter(items, params, chat, progress, raise_on_error, spec_kwargs, single,
                                max_in_flight=None, total=len(items)))
@@ -226,7 +231,7 @@ class Engine:
 
     def _iter(self, items: Iterable[Any], params, chat, progress, raise_on_error, spec_kwargs, single,
               max_in_flight: int | None, total: int | None) -> Iterator[Result]:
-        params = params or SamplingParams()
+        params_at = self._params_per_item(items, params)
         spec_kwargs = dict(spec_kwargs)
         backend = self._backend_arg(spec_kwargs)
         spec_args = {k: spec_kwargs.pop(k) for k in list(spec_kwargs) if k in _SPEC_KEYS or k in (
@@ -261,7 +266,7 @@ class Engine:
                     try:
                         spec = (self.make_spec(**per_item_specs[i]) if per_prompt else shared_spec)
                         ids = self.encode_chat(item) if chat else self._encode_raw(item)
-                        r = self._new_request(ids, params, spec, i, backend)
+                        r = self._new_request(ids, params_at(i), spec, i, backend)
                     except (ValueError, TypeError) as e:
                         if single or raise_on_error:
                             raise
@@ -287,6 +292,20 @@ class Engine:
                 if isinstance(x, Request) and not x.finished:
                     self.core.abort(x)
             self.core._drain()
+
+    @staticmethod
+    def _params_per_item(items: Iterable[Any], params) -> Callable[[int], SamplingParams]:
+        """params: None, one SamplingParams, or one per item (needs a list of items)."""
+        if params is None or isinstance(params, SamplingParams):
+            shared = params or SamplingParams()
+            return lambda i: shared
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
+        if not isinstance(items, list):
+            raise TypeError("a list of SamplingParams needs a list of prompts (one per prompt)")
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts; pass one, or one per prompt")
+        return params.__getitem__
 
     def _encode_raw(self, item: Any) -> list[int]:
         if isinstance(item, str):
