@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from constrained_serve.models import loader
+from constrained_serve.models.cpu_linear import PackedLinear
 from constrained_serve.params import SamplingParams
 from constrained_serve.request import Request
 from constrained_serve.runner import Batch, ModelRunner, ScheduledChunk
@@ -92,10 +93,43 @@ def test_missing_model_path_is_a_value_error(tmp_path):
         loader.resolve_model(str(tmp_path))
 
 
-def test_dummy_load_format_is_deterministic(tiny_llama_dir):
+def test_dummy_load_format_is_deterministic(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("CONSTRAINED_SERVE_CPU_LINEAR", "torch")  # keep the weights as parameters
     src = loader.resolve_model(str(tiny_llama_dir))
     cfg, _ = loader.load_config_and_tokenizer(src)
     a = loader.build_model(src, cfg, torch.float32, torch.device("cpu"), "dummy")
     b = loader.build_model(src, cfg, torch.float32, torch.device("cpu"), "dummy")
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_dense(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 48, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 48, generator=g)
+    lin = PackedLinear(w, b)
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x[:, :48].t().contiguous().t()), lin(x))  # strided input
+    assert torch.equal(lin.weight, w)
+
+
+def test_fp32_on_cpu_is_packed_unless_turned_off(tiny_llama_dir, default_tokenizer, monkeypatch):
+    src = loader.resolve_model(str(tiny_llama_dir))
+    cfg, _ = loader.load_config_and_tokenizer(src)
+
+    def packed(dtype):
+        m = loader.build_model(src, cfg, dtype, torch.device("cpu"))
+        return sum(isinstance(x, PackedLinear) for x in m.modules())
+
+    n_layers = cfg.num_hidden_layers
+    assert packed(torch.float32) == 4 * n_layers + 1  # qkv, o, gate_up, down; the LM head
+    assert packed(torch.bfloat16) == 0  # bf16 already runs on oneDNN
+    _, prefill_packed, decode_packed = _our_logits(tiny_llama_dir, default_tokenizer, PROMPTS[:2])
+    monkeypatch.setenv("CONSTRAINED_SERVE_CPU_LINEAR", "torch")
+    assert packed(torch.float32) == 0
+    _, prefill_dense, decode_dense = _our_logits(tiny_llama_dir, default_tokenizer, PROMPTS[:2])
+    for a, b in zip([*prefill_packed, *decode_packed], [*prefill_dense, *decode_dense]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

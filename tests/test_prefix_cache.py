@@ -56,6 +56,25 @@ def test_shared_prefix_is_computed_once(tiny_engine_factory):
     assert res[0].usage.cached_tokens == 0
 
 
+def test_prefix_ending_mid_page_is_reused_to_the_token(tiny_engine_factory):
+    """The common prefix ends inside a page: its leading slots are copied (copy on write) and
+    only the rest is computed; outputs match the cache-off engine token for token."""
+    on = tiny_engine_factory()
+    on.core.check_each_step = True
+    off = tiny_engine_factory(enable_prefix_cache=False)
+    base = on.encode_prompt("Extract the fields of the following text as JSON. " * 8)
+    common = 3 * 16 + 7  # 7 tokens into a page
+    assert len(base) > common
+    prompts = [base[:common] + [100 + i, 200 + i, 300 + i] + base[:20] for i in range(6)]  # page 4 full
+    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    ref = [r.token_ids for r in off.generate(prompts, p)]
+    res = on.generate(prompts, p)
+    assert [r.token_ids for r in res] == ref
+    assert [r.usage.cached_tokens for r in res] == [0] + [common] * 5
+    # First request: whole prompt; others: the 23 tokens after the common prefix; 2 decode steps each.
+    assert on.core.runner.tokens_computed == len(prompts[0]) + 5 * (len(prompts[0]) - common) + 6 * 2
+
+
 def test_conversation_appends_and_releases(tiny_engine_factory):
     eng = tiny_engine_factory()
     eng.core.check_each_step = True

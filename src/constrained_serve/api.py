@@ -55,9 +55,9 @@ class Engine:
         num_pages = self._num_pages(model_len)
         self.pool = PagePool(num_pages, cfg.page_size)
         radix = RadixCache(self.pool, cfg.page_size) if cfg.enable_prefix_cache else None
-        self.kv = KVCacheManager(self.pool, radix)
         self.max_model_len = min(model_len, num_pages * cfg.page_size)
         runner = ModelRunner(self.model, num_pages, cfg.page_size, dev, self.dtype)
+        self.kv = KVCacheManager(self.pool, radix, copy_page_prefix=runner.copy_page_prefix)
         scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens(dev))
         self.core = EngineCore(runner, scheduler, self.kv, self.tokenizer, self._eos_ids(), self.max_model_len,
                                grammar=None, overlap=cfg.overlap, fast_forward=cfg.fast_forward)

@@ -61,6 +61,12 @@ class ModelRunner:
                            torch.zeros(shape, dtype=kv_dtype, device=device)) for _ in range(a.num_layers)]
         self.tokens_computed = 0  # total tokens run through the model (tests assert on it)
 
+    def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy the K/V of the first n slots of page src into page dst, in every layer."""
+        for k, v in self.kv_caches:
+            k[dst, :n] = k[src, :n]
+            v[dst, :n] = v[src, :n]
+
     @staticmethod
     def kv_bytes_per_token(model: LlamaModel, kv_dtype: torch.dtype) -> int:
         a = model.arch

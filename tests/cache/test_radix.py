@@ -67,6 +67,19 @@ def test_insert_then_match_whole_pages_only() -> None:
     assert cache.match_prefix([1, 9, 3, 4]).num_tokens == 0
 
 
+def test_partial_page_finds_the_best_leading_match_below_a_node() -> None:
+    pool, cache = make(page_size=4)
+    a = finish(pool, cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    b = finish(pool, cache, [1, 2, 3, 4, 5, 9, 9, 9])
+    m = cache.match_prefix([1, 2, 3, 4, 5, 6, 0])
+    assert m.num_tokens == 4
+    assert cache.partial_page(m.node, [5, 6, 0]) == (a[1], 2)  # (5, 6) beats b's (5,)
+    assert cache.partial_page(m.node, [5, 9]) == (b[1], 2)
+    assert cache.partial_page(m.node, [7]) == (-1, 0)
+    assert cache.partial_page(cache.root, [1, 2, 3]) == (a[0], 3)  # never a whole page
+    check(pool, cache)
+
+
 def test_match_ending_inside_a_node_splits_it_at_a_page_boundary() -> None:
     pool, cache = make()
     pages = finish(pool, cache, [1, 2, 3, 4, 5, 6, 7, 8])

@@ -9,6 +9,7 @@ reference on pages it adopts), the node is unlocked, and the request drops its r
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from ..request import Request
 from .pool import OutOfPages, PagePool
@@ -17,30 +18,52 @@ logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
-    def __init__(self, pool: PagePool, radix=None) -> None:
+    def __init__(self, pool: PagePool, radix=None,
+                 copy_page_prefix: Callable[[int, int, int], None] | None = None) -> None:
         self.pool = pool
         self.page_size = pool.page_size
         self.radix = radix  # RadixCache or None (prefix caching off)
+        # copy_page_prefix(src, dst, n): copy the KV of the first n slots of page src into page
+        # dst in every layer (the runner's). None: prefixes are reused in whole pages only.
+        self.copy_page_prefix = copy_page_prefix
 
     @property
     def total_tokens(self) -> int:
         return self.pool.num_pages * self.page_size
 
     def match_prefix(self, r: Request) -> None:
-        """At admission: reuse the longest cached page-aligned prefix (keeping >= 1 token to compute)."""
+        """At admission: reuse the longest cached prefix (keeping >= 1 token to compute).
+
+        Whole pages are shared. Where the shared prefix ends inside a cached page (a common
+        instruction rarely ends on a page boundary), the matching leading slots of that page
+        are copied into a fresh page of r's own: on the structured benchmark that saves
+        computing about 8 tokens per request."""
         if self.radix is None or r.pages:
             return
-        m = self.radix.match_prefix(r.token_ids[: r.num_tokens - 1])
-        if m.num_tokens == 0:
-            return
-        self.radix.lock(m.node)
-        self.pool.incref(m.pages)
-        r.cache_node = m.node
-        r.pages = list(m.pages)
-        r.num_computed = m.num_tokens
-        r.num_shared = m.num_tokens
-        if r.num_preemptions == 0 and r.num_cached == 0:
-            r.num_cached = min(m.num_tokens, r.num_prompt)
+        limit = r.num_tokens - 1
+        m = self.radix.match_prefix(r.token_ids[:limit])
+        n = m.num_tokens
+        if n:
+            self.radix.lock(m.node)
+            self.pool.incref(m.pages)
+            r.cache_node = m.node
+            r.pages = list(m.pages)
+            r.num_shared = n
+        if self.copy_page_prefix is not None and limit - n > 0:
+            src, k = self.radix.partial_page(m.node, r.token_ids[n:limit])
+            if k and self._has_free_page():
+                [dst] = self.pool.allocate(1)
+                self.copy_page_prefix(src, dst, k)
+                r.pages.append(dst)
+                n += k
+        r.num_computed = n
+        if n and r.num_preemptions == 0 and r.num_cached == 0:
+            r.num_cached = min(n, r.num_prompt)
+
+    def _has_free_page(self) -> bool:
+        if self.pool.num_free == 0 and self.radix is not None:
+            self.radix.evict(1)
+        return self.pool.num_free > 0
 
     def ensure_pages(self, r: Request, num_tokens: int) -> bool:
         need = PagePool.pages_for(num_tokens, self.page_size) - len(r.pages)

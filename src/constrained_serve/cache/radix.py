@@ -128,6 +128,26 @@ class RadixCache:
         node, i, pages = self._walk(key_tokens, n_pages)
         return MatchResult(pages=pages, num_tokens=i * ps, node=node)
 
+    def partial_page(self, node: Node, tokens: Sequence[int]) -> tuple[int, int]:
+        """The cached page right below ``node`` whose first tokens best match ``tokens`` (fewer
+        than a page): returns ``(page id, matched tokens)``, ``(-1, 0)`` when none matches.
+
+        The page holds the KV of those leading tokens at the same positions, so a request can
+        copy them into a page of its own instead of computing them (copy on write: the cached
+        page itself is never handed out partially)."""
+        ps = self.page_size
+        want = tuple(tokens[:ps])
+        best, best_n = -1, 0
+        for key, child in node.children.items():
+            n = 0
+            for a, b in zip(key, want):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = child.pages[0], n
+        return best, min(best_n, ps - 1)
+
     def _walk(self, key_tokens: tuple[int, ...], n_pages: int) -> tuple[Node, int, list[int]]:
         """Follow the tree along key_tokens, splitting the last node at the point of divergence.
         Returns (deepest node reached, pages matched, their page ids); refreshes last_access."""

@@ -10,6 +10,7 @@ are fused into one matmul each at load time (fewer, larger GEMMs are faster on C
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from torch import nn
 
 from ..kernels import dispatch
 from ..kernels.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -192,9 +195,19 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions or arch.max_position_embeddings)
+        self.packed_head: nn.Module | None = None  # set by pack_for_cpu
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_for_cpu(self) -> None:
+        """fp32 on CPU: every projection and the LM head through oneDNN (see cpu_linear.py).
+        A tied head gets its own packed copy; the embedding keeps the dense table for lookups."""
+        from .cpu_linear import PackedLinear, pack_linears
+
+        n = pack_linears(self)  # the projections, and an untied lm_head
+        self.packed_head = self.lm_head if self.lm_head is not None else PackedLinear(self.embed_tokens.weight)
+        logger.info("packed %d linear layers and the LM head for oneDNN", n)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -205,4 +218,6 @@ class LlamaModel(nn.Module):
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos_sin, kv, meta)
         x = self.norm(x.index_select(0, logits_indices))  # only rows that sample
+        if self.packed_head is not None:
+            return self.packed_head(x)
         return F.linear(x, self.lm_head_weight()).float()

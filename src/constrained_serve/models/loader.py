@@ -23,6 +23,7 @@ from typing import Iterator
 
 import torch
 
+from . import cpu_linear
 from .llama import LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -267,7 +268,10 @@ def build_model(src: ModelSource, hf_config, dtype: torch.dtype, device: torch.d
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     model.rotary.cos, model.rotary.sin = cos, sin  # kept fp32 whatever the model dtype
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if cpu_linear.should_pack(device, dtype):
+        model.pack_for_cpu()
+    return model
 
 
 def config_to_json(cfg) -> str:
