@@ -100,7 +100,8 @@ class Engine:
 
             self._grammar = GrammarManager(self.tokenizer, self.vocab_size,
                                            default_backend=self.config.grammar_backend,
-                                           eos_token_ids=sorted(self.core.eos_token_ids))
+                                           eos_token_ids=sorted(self.core.eos_token_ids),
+                                           mask_threads=1 if self.device.type == "cpu" else None)
             self.core.grammar = self._grammar
         return self._grammar
 

@@ -39,7 +39,8 @@ CacheKey = tuple[str, str, str, bool, bool]
 class GrammarManager:
     def __init__(self, tokenizer: Any, vocab_size: int, default_backend: str = "llguidance",
                  max_workers: int = 2, cache_size: int = 256, eos_token_ids: Sequence[int] | None = None,
-                 compile_timeout_s: float = 10.0, backend_options: dict[str, dict[str, Any]] | None = None):
+                 compile_timeout_s: float = 10.0, backend_options: dict[str, dict[str, Any]] | None = None,
+                 mask_threads: int | None = None):
         if default_backend not in BACKENDS:
             raise ValueError(f"default_backend must be one of {BACKENDS}, got {default_backend!r}")
         self.tokenizer = tokenizer
@@ -50,6 +51,9 @@ class GrammarManager:
         self.cache_size = int(cache_size)
         self.compile_timeout_s = float(compile_timeout_s)
         self._max_workers = max(1, int(max_workers))
+        # Threads of the backends' batched mask fill (None: max_workers). On a CPU device the
+        # forward already runs on every core while masks fill: one thread avoids preempting it.
+        self._mask_threads = max(1, int(mask_threads or max_workers))
         # extra constructor kwargs per backend, e.g. {"xgrammar": {"lazy_masks": False}}
         self._backend_options = {k: dict(v) for k, v in (backend_options or {}).items()}
         self._backends: dict[str, GrammarBackend] = {}
@@ -73,11 +77,11 @@ class GrammarManager:
     def _make_backend(self, name: str) -> GrammarBackend:
         if name == "llguidance":
             from .llguidance import LLGuidanceBackend
-            return LLGuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._max_workers,
+            return LLGuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._mask_threads,
                                      **self._backend_options.get(name, {}))
         if name == "xgrammar":
             from .xgrammar import XGrammarBackend
-            return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._max_workers,
+            return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._mask_threads,
                                    **self._backend_options.get(name, {}))
         raise GrammarError(f"unknown grammar backend {name!r}; expected one of {BACKENDS}", backend=name)
 
