@@ -181,18 +181,15 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         pages = meta.block_tables[b, : -(-L // page_size)]
         k = _gather(k_cache, pages, L).transpose(0, 1)  # [Hkv, L, D]
         v = _gather(v_cache, pages, L).transpose(0, 1)
-        qb = q[s:e].transpose(0, 1)  # [Hq, n, D]
-        if n == L:
-            mask = None
-            causal = True
-        else:
-            # Query j (position L-n+j) sees keys 0..L-n+j.
-            qpos = torch.arange(L - n, L, device=q.device)
-            mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]
-            causal = False
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                           enable_gqa=group > 1)
-        out[s:e] = o.transpose(0, 1)
+        # Query j (position L-n+j) sees keys 0..L-n+j. The GQA group's heads are folded into
+        # the query length ([Hkv, n*G, D]) as in _attend_short: with a mask and no enable_gqa,
+        # torch's CPU SDPA takes its flash kernel instead of the unfused math path.
+        qpos = torch.arange(L - n, L, device=q.device)
+        mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]  # [n, L]
+        qf = q[s:e].view(n, hkv, group, d).transpose(0, 1).reshape(hkv, n * group, d)
+        mask = mask[:, None, :].expand(n, group, L).reshape(n * group, L)
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+        out[s:e] = o.view(hkv, n, group, d).transpose(0, 1).reshape(n, hq, d)
     return out
 
 
