@@ -116,6 +116,16 @@ def test_packed_linear_matches_dense(rows, bias):
     assert torch.equal(lin.weight, w)
 
 
+def test_packed_linear_bf16_matches_dense():
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 48, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(20, 48, generator=g).bfloat16()
+    y = PackedLinear(w, b)(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
+                               rtol=2e-2, atol=5e-2)
+
+
 def test_fp32_on_cpu_is_packed_unless_turned_off(tiny_llama_dir, default_tokenizer, monkeypatch):
     src = loader.resolve_model(str(tiny_llama_dir))
     cfg, _ = loader.load_config_and_tokenizer(src)
@@ -126,7 +136,8 @@ def test_fp32_on_cpu_is_packed_unless_turned_off(tiny_llama_dir, default_tokeniz
 
     n_layers = cfg.num_hidden_layers
     assert packed(torch.float32) == 4 * n_layers + 1  # qkv, o, gate_up, down; the LM head
-    assert packed(torch.bfloat16) == 0  # bf16 already runs on oneDNN
+    assert packed(torch.bfloat16) == 4 * n_layers + 1
+    assert packed(torch.float16) == 0
     _, prefill_packed, decode_packed = _our_logits(tiny_llama_dir, default_tokenizer, PROMPTS[:2])
     monkeypatch.setenv("CONSTRAINED_SERVE_CPU_LINEAR", "torch")
     assert packed(torch.float32) == 0

@@ -201,7 +201,7 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_for_cpu(self) -> None:
-        """fp32 on CPU: every projection and the LM head through oneDNN (see cpu_linear.py).
+        """fp32/bf16 on CPU: every projection and the LM head through oneDNN (see cpu_linear.py).
         A tied head gets its own packed copy; the embedding keeps the dense table for lookups."""
         from .cpu_linear import PackedLinear, pack_linears
 
@@ -219,5 +219,5 @@ class LlamaModel(nn.Module):
             x = layer(x, cos_sin, kv, meta)
         x = self.norm(x.index_select(0, logits_indices))  # only rows that sample
         if self.packed_head is not None:
-            return self.packed_head(x)
+            return self.packed_head(x).float()
         return F.linear(x, self.lm_head_weight()).float()
