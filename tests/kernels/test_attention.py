@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from constrained_serve.kernels import attention as A
+from constrained_serve.kernels import short_rows
 
 from .helpers import dense_causal_attention, make_batch, require_triton
 
@@ -54,7 +55,7 @@ def test_reference_length_buckets_match_dense():
     rng = random.Random(3)
     lens = [rng.choice([1, 15, 16, 17, 40, 64, 90, 130]) for _ in range(40)] + [3, 7]
     q, kc, vc, meta, kf, vf = _paged_case([1] * 40 + [3, 7], lens, group=3, hkv=1)
-    assert len(A._length_buckets(meta.seq_lens_host[:40])) > 1
+    assert len(short_rows._length_buckets(meta.seq_lens_host[:40])) > 1
     ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)
     dense = dense_causal_attention(q, kf, vf, meta, 0.125)
     torch.testing.assert_close(ref.double(), dense, atol=1e-5, rtol=1e-5)
@@ -203,7 +204,7 @@ def test_reference_batches_short_chunks_with_padding():
     qlens = [1] * 5 + [n for n, _ in chunks] + [40]
     lens = decodes + [L for _, L in chunks] + [70]
     q, kc, vc, meta, kf, vf = _paged_case(qlens, lens, group=3, hkv=2)
-    groups = A._short_groups(meta, 16, 3, q.device)
+    groups = short_rows.short_groups(meta, 16, 3, q.device)
     assert sum(g.mask.shape[0] for g in groups) == 5 + len(chunks)  # every short row batched
     assert any(g.nmax == 16 for g in groups) and any(g.out_select is not None for g in groups)
     ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .short_rows import SHORT_CHUNK, attend_short, short_groups
+
 
 @dataclass
 class AttentionMetadata:
@@ -54,112 +56,6 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tens
     return cache.index_select(0, pages).view(-1, hkv, d)[:length]
 
 
-# Chunks up to this many tokens (decodes, grammar-forced tokens appended to a decoding request)
-# are attended in batched SDPA calls with the decode rows; longer chunks get one call each.
-SHORT_CHUNK = 16
-
-
-def _length_buckets(lens: list[int], min_rows: int = 16) -> list[list[int]]:
-    """Group rows of similar length: each group is gathered padded to its own longest
-    sequence, so short rows do not pay for the longest one (the gather is memory bound)."""
-    order = sorted(range(len(lens)), key=lens.__getitem__)
-    if len(order) < 2 * min_rows:
-        return [order]
-    buckets, cur = [], []
-    for i in order:
-        # Close a bucket once it holds min_rows rows and the next row is 25% longer.
-        if len(cur) >= min_rows and lens[i] > 1.25 * lens[cur[0]]:
-            buckets.append(cur)
-            cur = []
-        cur.append(i)
-    if buckets and len(cur) < min_rows:
-        buckets[-1].extend(cur)
-    elif cur:
-        buckets.append(cur)
-    return buckets
-
-
-@dataclass
-class _ShortGroup:
-    """One batched SDPA call over rows with short chunks, the same for every layer of a step."""
-    pages: torch.Tensor  # [rows * npages] page ids, gathered padded to the longest row
-    padded_len: int  # npages * page_size
-    q_index: torch.Tensor  # [rows * nmax] token of each (row, query slot); padding repeats a row's last token
-    nmax: int
-    mask: torch.Tensor  # [rows, 1, nmax * group, padded_len] keys each query slot may see
-    out_index: torch.Tensor  # tokens written back
-    out_select: torch.Tensor | None  # which of the rows * nmax slots are real (None: all)
-
-
-def _short_groups(meta: AttentionMetadata, page_size: int, group: int, device) -> list[_ShortGroup]:
-    """Plan the batched calls once per step (cached on meta): the index tensors and masks only
-    depend on the batch layout, not on the layer."""
-    key = ("short", page_size, group)
-    if key in meta.plan_cache:
-        return meta.plan_cache[key]
-    qsl = [0]
-    for n in meta.query_lens_host:
-        qsl.append(qsl[-1] + n)
-    nd = meta.num_decodes
-    short = [b for b in range(nd, meta.num_seqs) if meta.query_lens_host[b] <= SHORT_CHUNK]
-    # Decode rows and short chunks go to separate calls: a decode row padded to a chunk's
-    # query length would multiply its (tiny) attention work for nothing.
-    classes = [list(range(nd)), short]
-    groups = []
-    for rows_of_class in classes:
-        if not rows_of_class:
-            continue
-        lens = [meta.seq_lens_host[b] for b in rows_of_class]
-        for bucket in _length_buckets(lens):
-            rows = [rows_of_class[i] for i in bucket]
-            qlens = [meta.query_lens_host[b] for b in rows]
-            seq_lens = [meta.seq_lens_host[b] for b in rows]
-            nmax = max(qlens)
-            npages = -(-max(seq_lens) // page_size)
-            padded = npages * page_size
-            # Table entries past a sequence's last page may be padding (-1): any valid id
-            # will do, those keys are masked out.
-            pages = meta.block_tables[torch.tensor(rows, device=device), :npages].clamp_min(0).long().reshape(-1)
-            slots = [min(j, n - 1) for n in qlens for j in range(nmax)]
-            q_index = [qsl[b] + j for b, j in zip((b for b in rows for _ in range(nmax)), slots)]
-            # Query j of a chunk of n sits at position L - n + j and sees keys at positions <= it.
-            qpos = torch.tensor([L - n + j for n, L in zip(qlens, seq_lens) for j in
-                                 (min(j, n - 1) for j in range(nmax))], device=device).view(len(rows), nmax)
-            mask = torch.arange(padded, device=device)[None, None, :] <= qpos[:, :, None]
-            mask = mask[:, None, :, None, :].expand(len(rows), 1, nmax, group, padded)
-            real = [j < n for n in qlens for j in range(nmax)]
-            select = None if all(real) else torch.tensor(real, device=device)
-            out_index = [t for t, r in zip(q_index, real) if r]
-            groups.append(_ShortGroup(pages, padded, torch.tensor(q_index, device=device), nmax,
-                                      mask.reshape(len(rows), 1, nmax * group, padded),
-                                      torch.tensor(out_index, device=device), select))
-    meta.plan_cache[key] = groups
-    return groups
-
-
-def _attend_short(q, k_cache, v_cache, g: _ShortGroup, scale: float, out: torch.Tensor) -> None:
-    """One SDPA call for a group of short rows. The GQA group's query heads and the chunk's
-    query slots together play the role of SDPA's query length, over strided views of one
-    gather: about 3x faster on CPU than einsum + masked softmax, and one call instead of one
-    per sequence (a structured batch has many 2-6 token forced chunks)."""
-    _, _, hkv, d = k_cache.shape
-    hq = q.shape[1]
-    group = hq // hkv
-    rows = g.mask.shape[0]
-    k = k_cache.index_select(0, g.pages).view(rows, g.padded_len, hkv, d)
-    v = v_cache.index_select(0, g.pages).view(rows, g.padded_len, hkv, d)
-    qd = q.index_select(0, g.q_index).view(rows, g.nmax, hkv, group, d)
-    if g.nmax > 1:
-        qd = qd.permute(0, 2, 1, 3, 4)
-    qd = qd.reshape(rows, hkv, g.nmax * group, d)
-    o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale)
-    o = o.view(rows, hkv, g.nmax, group, d)
-    if g.nmax > 1:
-        o = o.permute(0, 2, 1, 3, 4)
-    o = o.reshape(rows * g.nmax, hq, d)
-    out[g.out_index] = o if g.out_select is None else o[g.out_select]
-
-
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Reference implementation (and the CPU path). Returns [num_tokens, Hq, D]."""
@@ -167,8 +63,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     out = torch.empty_like(q)
-    for g in _short_groups(meta, page_size, group, q.device):
-        _attend_short(q, k_cache, v_cache, g, scale, out)
+    for g in short_groups(meta, page_size, group, q.device):
+        attend_short(q, k_cache, v_cache, g, scale, out)
 
     qsl = [0]
     for n in meta.query_lens_host:
@@ -182,7 +78,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         k = _gather(k_cache, pages, L).transpose(0, 1)  # [Hkv, L, D]
         v = _gather(v_cache, pages, L).transpose(0, 1)
         # Query j (position L-n+j) sees keys 0..L-n+j. The GQA group's heads are folded into
-        # the query length ([Hkv, n*G, D]) as in _attend_short: with a mask and no enable_gqa,
+        # the query length ([Hkv, n*G, D]) as in attend_short: with a mask and no enable_gqa,
         # torch's CPU SDPA takes its flash kernel instead of the unfused math path.
         qpos = torch.arange(L - n, L, device=q.device)
         mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]  # [n, L]
