@@ -51,8 +51,9 @@ class KVCacheManager:
             r.num_shared = n
         if self.copy_page_prefix is not None and limit - n > 0:
             src, k = self.radix.partial_page(m.node, r.token_ids[n:limit])
-            if k and self._has_free_page():
-                [dst] = self.pool.allocate(1)
+            page = self._allocate(1) if k else None
+            if page:
+                [dst] = page
                 self.copy_page_prefix(src, dst, k)
                 r.pages.append(dst)
                 n += k
@@ -60,21 +61,23 @@ class KVCacheManager:
         if n and r.num_preemptions == 0 and r.num_cached == 0:
             r.num_cached = min(n, r.num_prompt)
 
-    def _has_free_page(self) -> bool:
-        if self.pool.num_free == 0 and self.radix is not None:
-            self.radix.evict(1)
-        return self.pool.num_free > 0
+    def _allocate(self, n: int) -> list[int] | None:
+        """n fresh pages, evicting cached ones if needed; None when even that is not enough."""
+        if self.pool.num_free < n and self.radix is not None:
+            self.radix.evict(n - self.pool.num_free)
+        try:
+            return self.pool.allocate(n)
+        except OutOfPages:
+            return None
 
     def ensure_pages(self, r: Request, num_tokens: int) -> bool:
         need = PagePool.pages_for(num_tokens, self.page_size) - len(r.pages)
         if need <= 0:
             return True
-        if self.pool.num_free < need and self.radix is not None:
-            self.radix.evict(need - self.pool.num_free)
-        try:
-            r.pages.extend(self.pool.allocate(need))
-        except OutOfPages:
+        pages = self._allocate(need)
+        if pages is None:
             return False
+        r.pages.extend(pages)
         return True
 
     def share_progress(self, r: Request) -> None:
