@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from constrained_serve.kernels import attention as A
-from constrained_serve.kernels import short_rows
+from constrained_serve.kernels import long_chunks, short_rows
 
 from .helpers import dense_causal_attention, make_batch, require_triton
 
@@ -59,6 +59,26 @@ def test_reference_length_buckets_match_dense():
     ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)
     dense = dense_causal_attention(q, kf, vf, meta, 0.125)
     torch.testing.assert_close(ref.double(), dense, atol=1e-5, rtol=1e-5)
+
+
+# Long chunks (> SHORT_CHUNK tokens): a whole prompt, a chunk after a cached prefix ending
+# mid-page, beside decodes and a short forced chunk.
+LONG = ([1, 1, 40, 23, 3, 70], [30, 5, 40, 57, 19, 100])
+
+
+@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_match_dense(monkeypatch, gemm, dtype):
+    """Both long-chunk paths: the batched GEMMs and, for large score matrices, SDPA."""
+    if not gemm:
+        monkeypatch.setattr(long_chunks, "MAX_GEMM_SCORES", 0)
+    q, kc, vc, meta, kf, vf = _paged_case(*LONG, group=3, hkv=2, dtype=dtype)
+    plans = long_chunks.long_chunks(meta, 16, 2, 3, q.device)
+    assert len(plans) == 3 and all((p.bias is not None) == gemm for p in plans)
+    dense = dense_causal_attention(q.double(), [k.double() for k in kf], [v.double() for v in vf], meta, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(A.paged_attention_torch(q, kc, vc, meta, 0.125).double(), dense,
+                               atol=tol, rtol=tol)
 
 
 def test_reference_tolerates_padded_block_tables():

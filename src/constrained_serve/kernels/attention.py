@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from .short_rows import SHORT_CHUNK, attend_short, short_groups
+from .long_chunks import attend_long, long_chunks
+from .short_rows import attend_short, short_groups
 
 
 @dataclass
@@ -50,12 +50,6 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(num_pages * page_size, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_pages_used] page ids -> contiguous [length, Hkv, D]."""
-    _, page_size, hkv, d = cache.shape
-    return cache.index_select(0, pages).view(-1, hkv, d)[:length]
-
-
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Reference implementation (and the CPU path). Returns [num_tokens, Hq, D]."""
@@ -65,27 +59,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = torch.empty_like(q)
     for g in short_groups(meta, page_size, group, q.device):
         attend_short(q, k_cache, v_cache, g, scale, out)
-
-    qsl = [0]
-    for n in meta.query_lens_host:
-        qsl.append(qsl[-1] + n)
-    for b in range(meta.num_decodes, meta.num_seqs):
-        s, e = qsl[b], qsl[b + 1]
-        n, L = e - s, meta.seq_lens_host[b]
-        if n <= SHORT_CHUNK:
-            continue
-        pages = meta.block_tables[b, : -(-L // page_size)]
-        k = _gather(k_cache, pages, L).transpose(0, 1)  # [Hkv, L, D]
-        v = _gather(v_cache, pages, L).transpose(0, 1)
-        # Query j (position L-n+j) sees keys 0..L-n+j. The GQA group's heads are folded into
-        # the query length ([Hkv, n*G, D]) as in attend_short: with a mask and no enable_gqa,
-        # torch's CPU SDPA takes its flash kernel instead of the unfused math path.
-        qpos = torch.arange(L - n, L, device=q.device)
-        mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]  # [n, L]
-        qf = q[s:e].view(n, hkv, group, d).transpose(0, 1).reshape(hkv, n * group, d)
-        mask = mask[:, None, :].expand(n, group, L).reshape(n * group, L)
-        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
-        out[s:e] = o.view(hkv, n, group, d).transpose(0, 1).reshape(n, hq, d)
+    for c in long_chunks(meta, page_size, hkv, group, q.device):
+        attend_long(q, k_cache, v_cache, c, scale, out)
     return out
 
 
