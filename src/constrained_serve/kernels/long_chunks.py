@@ -10,13 +10,13 @@ keys and never holds the whole matrix). Layout of q and the page pool: see atten
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from .short_rows import SHORT_CHUNK
+from .short_rows import SHORT_CHUNK, gather_pages
 
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
@@ -35,6 +35,7 @@ class _LongChunk:
     # Additive fp32 [n*G, L] mask (0 visible, -inf hidden) for the GEMM path; None: SDPA with bool_mask.
     bias: torch.Tensor | None
     bool_mask: torch.Tensor | None
+    buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (short_rows.py)
 
 
 def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, device) -> list[_LongChunk]:
@@ -67,8 +68,8 @@ def attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
     _, page_size, hkv, d = k_cache.shape
     hq = q.shape[1]
     group, n, L = hq // hkv, c.end - c.start, c.seq_len
-    k = k_cache.index_select(0, c.pages).view(-1, hkv, d)[:L].transpose(0, 1)  # [Hkv, L, D]
-    v = v_cache.index_select(0, c.pages).view(-1, hkv, d)[:L].transpose(0, 1)
+    k = gather_pages(k_cache, c.pages, c.buffers, "k").view(-1, hkv, d)[:L].transpose(0, 1)  # [Hkv, L, D]
+    v = gather_pages(v_cache, c.pages, c.buffers, "v").view(-1, hkv, d)[:L].transpose(0, 1)
     qf = q[c.start:c.end].view(n, hkv, group, d).transpose(0, 1).reshape(hkv, n * group, d)
     if c.bias is not None and q.dtype == torch.float32:
         scores = torch.baddbmm(c.bias, qf, k.transpose(1, 2), alpha=scale)  # [Hkv, n*G, L]

@@ -8,7 +8,7 @@ page pool: see attention.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +52,17 @@ class _ShortGroup:
     mask: torch.Tensor  # [rows, 1, nmax * group, padded_len] keys each query slot may see
     out_index: torch.Tensor  # tokens written back
     out_select: torch.Tensor | None  # which of the rows * nmax slots are real (None: all)
+    # Gather destinations, reused by every layer of the step: a fresh multi-MiB tensor per
+    # layer costs page faults on each call (index_select into a reused buffer is ~1.5x faster).
+    buffers: dict = field(default_factory=dict, repr=False)
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor, buffers: dict, name: str) -> torch.Tensor:
+    """cache[pages] ([len(pages), page_size, Hkv, D]) into a buffer kept in ``buffers``."""
+    buf = buffers.get(name)
+    if buf is None or buf.dtype != cache.dtype:
+        buf = buffers[name] = cache.new_empty((pages.numel(), *cache.shape[1:]))
+    return torch.index_select(cache, 0, pages, out=buf)
 
 
 def short_groups(meta: AttentionMetadata, page_size: int, group: int, device) -> list[_ShortGroup]:
@@ -109,8 +120,8 @@ def attend_short(q, k_cache, v_cache, g: _ShortGroup, scale: float, out: torch.T
     hq = q.shape[1]
     group = hq // hkv
     rows = g.mask.shape[0]
-    k = k_cache.index_select(0, g.pages).view(rows, g.padded_len, hkv, d)
-    v = v_cache.index_select(0, g.pages).view(rows, g.padded_len, hkv, d)
+    k = gather_pages(k_cache, g.pages, g.buffers, "k").view(rows, g.padded_len, hkv, d)
+    v = gather_pages(v_cache, g.pages, g.buffers, "v").view(rows, g.padded_len, hkv, d)
     qd = q.index_select(0, g.q_index).view(rows, g.nmax, hkv, group, d)
     if g.nmax > 1:
         qd = qd.permute(0, 2, 1, 3, 4)
