@@ -13,6 +13,7 @@ to every key at a position <= its own.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -40,6 +41,11 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+    @property
+    def query_starts_host(self) -> list[int]:
+        """Host copy of query_start_loc: sequence b's tokens are q[starts[b]:starts[b+1]]."""
+        return [0, *itertools.accumulate(self.query_lens_host)]
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -43,10 +43,10 @@ def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, d
     key = ("long", page_size, hkv, group)
     if key in meta.plan_cache:
         return meta.plan_cache[key]
-    plans, start = [], 0
-    for b, n in enumerate(meta.query_lens_host):
-        s, start = start, start + n
-        if b < meta.num_decodes or n <= SHORT_CHUNK:
+    plans, qsl = [], meta.query_starts_host
+    for b in range(meta.num_decodes, meta.num_seqs):
+        n = meta.query_lens_host[b]
+        if n <= SHORT_CHUNK:
             continue
         L = meta.seq_lens_host[b]
         # Query j (position L-n+j) sees keys 0..L-n+j; one row per (query, group head).
@@ -56,16 +56,16 @@ def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, d
         pages = meta.block_tables[b, : -(-L // page_size)]
         if hkv * n * group * L <= MAX_GEMM_SCORES:
             bias = torch.zeros(n * group, L, device=device).masked_fill_(~visible, float("-inf"))
-            plans.append(_LongChunk(s, start, L, pages, bias, None))
+            plans.append(_LongChunk(qsl[b], qsl[b + 1], L, pages, bias, None))
         else:
-            plans.append(_LongChunk(s, start, L, pages, None, visible))
+            plans.append(_LongChunk(qsl[b], qsl[b + 1], L, pages, None, visible))
     meta.plan_cache[key] = plans
     return plans
 
 
 def attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _LongChunk,
                 scale: float, out: torch.Tensor) -> None:
-    _, page_size, hkv, d = k_cache.shape
+    _, _, hkv, d = k_cache.shape
     hq = q.shape[1]
     group, n, L = hq // hkv, c.end - c.start, c.seq_len
     k = gather_pages(k_cache, c.pages, c.buffers, "k").view(-1, hkv, d)[:L].transpose(0, 1)  # [Hkv, L, D]

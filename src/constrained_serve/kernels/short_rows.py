@@ -71,9 +71,7 @@ def short_groups(meta: AttentionMetadata, page_size: int, group: int, device) ->
     key = ("short", page_size, group)
     if key in meta.plan_cache:
         return meta.plan_cache[key]
-    qsl = [0]
-    for n in meta.query_lens_host:
-        qsl.append(qsl[-1] + n)
+    qsl = meta.query_starts_host
     nd = meta.num_decodes
     short = [b for b in range(nd, meta.num_seqs) if meta.query_lens_host[b] <= SHORT_CHUNK]
     # Decode rows and short chunks go to separate calls: a decode row padded to a chunk's
