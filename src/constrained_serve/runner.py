@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from .kernels.attention import AttentionMetadata
+from .kernels.dispatch import use_triton
+from .kernels.kv_layout import allocate_pool
 from .models.llama import LlamaModel
 from .request import Request
 
@@ -56,9 +58,12 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         a = model.arch
-        shape = (num_pages, page_size, a.num_kv_heads, a.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
-                           torch.zeros(shape, dtype=kv_dtype, device=device)) for _ in range(a.num_layers)]
+        # Head-major storage where the torch attention runs (its gathers then feed batched
+        # GEMMs directly); the Triton kernels' page-major layout elsewhere. See kv_layout.py.
+        head_major = not use_triton(device)
+        def pool() -> torch.Tensor:
+            return allocate_pool(num_pages, page_size, a.num_kv_heads, a.head_dim, kv_dtype, device, head_major)
+        self.kv_caches = [(pool(), pool()) for _ in range(a.num_layers)]
         self.tokens_computed = 0  # total tokens run through the model (tests assert on it)
 
     def copy_page_prefix(self, src: int, dst: int, n: int) -> None:

@@ -2,7 +2,8 @@
 
 Layout (shared by every implementation):
   q:            [num_tokens, num_q_heads, head_dim]   flat batch, sequences back to back
-  k_cache/v_cache: [num_pages, page_size, num_kv_heads, head_dim]  one layer's pages
+  k_cache/v_cache: [num_pages, page_size, num_kv_heads, head_dim]  one layer's pages (contiguous,
+                   or a view of head-major storage on CPU: kv_layout.py)
   meta.query_start_loc: int32 [B+1]   chunk of sequence b is q[qsl[b]:qsl[b+1]]
   meta.seq_lens:        int32 [B]     context length *after* this step (cached + chunk)
   meta.block_tables:    int32 [B, max_pages]  page ids of each sequence, in order
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kv_layout import heads_view
 from .long_chunks import attend_long, long_chunks
 from .short_rows import attend_short, short_groups
 
@@ -52,8 +54,12 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    slot_mapping: torch.Tensor) -> None:
     """Write the new tokens' K/V ([T, Hkv, D]) into their slots of the page pool, in place."""
     num_pages, page_size, hkv, d = k_cache.shape
-    k_cache.view(num_pages * page_size, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_pages * page_size, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        heads = heads_view(cache)
+        if heads is not None:  # head-major storage (kv_layout.py)
+            heads.index_copy_(1, slot_mapping, new.to(cache.dtype).transpose(0, 1))
+        else:
+            cache.view(num_pages * page_size, hkv, d).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -264,7 +270,8 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     if num_tokens == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous in head_dim"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    for cache in (k_cache, v_cache):  # slot = page * page_size + offset must be one stride
+        assert cache.stride(-1) == 1 and cache.stride(0) == cache.shape[1] * cache.stride(1)
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

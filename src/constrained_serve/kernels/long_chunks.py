@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .short_rows import SHORT_CHUNK, gather_pages
+from .kv_layout import gather_heads
+from .short_rows import SHORT_CHUNK
 
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
@@ -35,7 +36,7 @@ class _LongChunk:
     # Additive fp32 [n*G, L] mask (0 visible, -inf hidden) for the GEMM path; None: SDPA with bool_mask.
     bias: torch.Tensor | None
     bool_mask: torch.Tensor | None
-    buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (short_rows.py)
+    buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
 
 
 def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, device) -> list[_LongChunk]:
@@ -68,8 +69,8 @@ def attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
     _, _, hkv, d = k_cache.shape
     hq = q.shape[1]
     group, n, L = hq // hkv, c.end - c.start, c.seq_len
-    k = gather_pages(k_cache, c.pages, c.buffers, "k").view(-1, hkv, d)[:L].transpose(0, 1)  # [Hkv, L, D]
-    v = gather_pages(v_cache, c.pages, c.buffers, "v").view(-1, hkv, d)[:L].transpose(0, 1)
+    k = gather_heads(k_cache, c.pages, c.buffers, "k")[:, :L]  # [Hkv, L, D]
+    v = gather_heads(v_cache, c.pages, c.buffers, "v")[:, :L]
     qf = q[c.start:c.end].view(n, hkv, group, d).transpose(0, 1).reshape(hkv, n * group, d)
     if c.bias is not None and q.dtype == torch.float32:
         scores = torch.baddbmm(c.bias, qf, k.transpose(1, 2), alpha=scale)  # [Hkv, n*G, L]

@@ -1,10 +1,13 @@
 """Batched attention of the short rows of a step (torch path, used on CPU).
 
 Decode rows and short chunks (grammar-forced tokens appended to a decoding request) are
-grouped by context length and attended in one SDPA call per group, over one gather of their
-pages, instead of one call per sequence. The plan (index tensors, masks) depends only on the
-batch layout, so it is built once per step and cached on the metadata. Layout of q and the
-page pool: see attention.py.
+grouped by context length; each group is attended with two batched GEMMs (QK^T, PV) and one
+masked softmax over one gather of its pages, instead of one call per sequence. The GQA
+group's query heads and the chunk's query slots together form each GEMM's rows, so a decode
+row still fills G rows of its K/V operand. For these short query lengths the GEMMs are 2-3x
+faster on CPU than torch's fused SDPA kernel, which tiles for long queries. The plan (index
+tensors, masks) depends only on the batch layout, so it is built once per step and cached on
+the metadata. Layout of q and the page pool: see attention.py and kv_layout.py.
 """
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+
+from .kv_layout import gather_heads
 
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
 
 # Chunks up to this many tokens (decodes, grammar-forced tokens appended to a decoding request)
-# are attended in batched SDPA calls with the decode rows; longer chunks get one call each.
+# are attended in batched calls with the decode rows; longer chunks get one call each.
 SHORT_CHUNK = 16
 
 
@@ -44,25 +48,15 @@ def _length_buckets(lens: list[int], min_rows: int = 16) -> list[list[int]]:
 
 @dataclass
 class _ShortGroup:
-    """One batched SDPA call over rows with short chunks, the same for every layer of a step."""
+    """One batched call over rows with short chunks, the same for every layer of a step."""
     pages: torch.Tensor  # [rows * npages] page ids, gathered padded to the longest row
     padded_len: int  # npages * page_size
     q_index: torch.Tensor  # [rows * nmax] token of each (row, query slot); padding repeats a row's last token
     nmax: int
-    mask: torch.Tensor  # [rows, 1, nmax * group, padded_len] keys each query slot may see
+    bias: torch.Tensor  # fp32 [rows, nmax * group, padded_len]: 0 where a query slot sees the key, -inf elsewhere
     out_index: torch.Tensor  # tokens written back
     out_select: torch.Tensor | None  # which of the rows * nmax slots are real (None: all)
-    # Gather destinations, reused by every layer of the step: a fresh multi-MiB tensor per
-    # layer costs page faults on each call (index_select into a reused buffer is ~1.5x faster).
-    buffers: dict = field(default_factory=dict, repr=False)
-
-
-def gather_pages(cache: torch.Tensor, pages: torch.Tensor, buffers: dict, name: str) -> torch.Tensor:
-    """cache[pages] ([len(pages), page_size, Hkv, D]) into a buffer kept in ``buffers``."""
-    buf = buffers.get(name)
-    if buf is None or buf.dtype != cache.dtype:
-        buf = buffers[name] = cache.new_empty((pages.numel(), *cache.shape[1:]))
-    return torch.index_select(cache, 0, pages, out=buf)
+    buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
 
 
 def short_groups(meta: AttentionMetadata, page_size: int, group: int, device) -> list[_ShortGroup]:
@@ -72,11 +66,11 @@ def short_groups(meta: AttentionMetadata, page_size: int, group: int, device) ->
     if key in meta.plan_cache:
         return meta.plan_cache[key]
     qsl = meta.query_starts_host
-    nd = meta.num_decodes
-    short = [b for b in range(nd, meta.num_seqs) if meta.query_lens_host[b] <= SHORT_CHUNK]
+    qlens_all = meta.query_lens_host
     # Decode rows and short chunks go to separate calls: a decode row padded to a chunk's
     # query length would multiply its (tiny) attention work for nothing.
-    classes = [list(range(nd)), short]
+    classes = [[b for b in range(meta.num_seqs) if qlens_all[b] == 1],
+               [b for b in range(meta.num_seqs) if 1 < qlens_all[b] <= SHORT_CHUNK]]
     groups = []
     for rows_of_class in classes:
         if not rows_of_class:
@@ -84,7 +78,7 @@ def short_groups(meta: AttentionMetadata, page_size: int, group: int, device) ->
         lens = [meta.seq_lens_host[b] for b in rows_of_class]
         for bucket in _length_buckets(lens):
             rows = [rows_of_class[i] for i in bucket]
-            qlens = [meta.query_lens_host[b] for b in rows]
+            qlens = [qlens_all[b] for b in rows]
             seq_lens = [meta.seq_lens_host[b] for b in rows]
             nmax = max(qlens)
             npages = -(-max(seq_lens) // page_size)
@@ -97,36 +91,32 @@ def short_groups(meta: AttentionMetadata, page_size: int, group: int, device) ->
             # Query j of a chunk of n sits at position L - n + j and sees keys at positions <= it.
             qpos = torch.tensor([L - n + j for n, L in zip(qlens, seq_lens) for j in
                                  (min(j, n - 1) for j in range(nmax))], device=device).view(len(rows), nmax)
-            mask = torch.arange(padded, device=device)[None, None, :] <= qpos[:, :, None]
-            mask = mask[:, None, :, None, :].expand(len(rows), 1, nmax, group, padded)
+            hidden = torch.arange(padded, device=device)[None, None, :] > qpos[:, :, None]
+            hidden = hidden[:, :, None, :].expand(len(rows), nmax, group, padded).reshape(len(rows), nmax * group, padded)
+            bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
             real = [j < n for n in qlens for j in range(nmax)]
             select = None if all(real) else torch.tensor(real, device=device)
             out_index = [t for t, r in zip(q_index, real) if r]
-            groups.append(_ShortGroup(pages, padded, torch.tensor(q_index, device=device), nmax,
-                                      mask.reshape(len(rows), 1, nmax * group, padded),
+            groups.append(_ShortGroup(pages, padded, torch.tensor(q_index, device=device), nmax, bias,
                                       torch.tensor(out_index, device=device), select))
     meta.plan_cache[key] = groups
     return groups
 
 
 def attend_short(q, k_cache, v_cache, g: _ShortGroup, scale: float, out: torch.Tensor) -> None:
-    """One SDPA call for a group of short rows. The GQA group's query heads and the chunk's
-    query slots together play the role of SDPA's query length, over strided views of one
-    gather: about 3x faster on CPU than einsum + masked softmax, and one call instead of one
-    per sequence (a structured batch has many 2-6 token forced chunks)."""
+    """QK^T, masked softmax (fp32) and PV for a group of short rows, batched over (kv head, row)."""
     _, _, hkv, d = k_cache.shape
     hq = q.shape[1]
     group = hq // hkv
-    rows = g.mask.shape[0]
-    k = gather_pages(k_cache, g.pages, g.buffers, "k").view(rows, g.padded_len, hkv, d)
-    v = gather_pages(v_cache, g.pages, g.buffers, "v").view(rows, g.padded_len, hkv, d)
-    qd = q.index_select(0, g.q_index).view(rows, g.nmax, hkv, group, d)
-    if g.nmax > 1:
-        qd = qd.permute(0, 2, 1, 3, 4)
-    qd = qd.reshape(rows, hkv, g.nmax * group, d)
-    o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale)
-    o = o.view(rows, hkv, g.nmax, group, d)
-    if g.nmax > 1:
-        o = o.permute(0, 2, 1, 3, 4)
-    o = o.reshape(rows * g.nmax, hq, d)
+    rows, m = g.bias.shape[0], g.nmax * group
+    k = gather_heads(k_cache, g.pages, g.buffers, "k").view(hkv * rows, g.padded_len, d)
+    v = gather_heads(v_cache, g.pages, g.buffers, "v").view(hkv * rows, g.padded_len, d)
+    # [rows, nmax, Hkv, G, D] -> [Hkv, rows, nmax * G, D]: one GEMM row per (query slot, group head).
+    qd = q.index_select(0, g.q_index).view(rows, g.nmax, hkv, group, d).permute(2, 0, 1, 3, 4)
+    qd = qd.reshape(hkv * rows, m, d)
+    scores = torch.bmm(qd, k.transpose(1, 2)).view(hkv, rows, m, g.padded_len)
+    # bf16/fp16: the softmax in fp32, as HF's eager attention and SDPA's kernels do.
+    scores = scores.float().mul_(scale).add_(g.bias).softmax(-1).to(v.dtype)
+    o = torch.bmm(scores.view(hkv * rows, m, g.padded_len), v)  # [Hkv * rows, nmax * G, D]
+    o = o.view(hkv, rows, g.nmax, group, d).permute(1, 2, 0, 3, 4).reshape(rows * g.nmax, hq, d)
     out[g.out_index] = o if g.out_select is None else o[g.out_select]

@@ -1,0 +1,61 @@
+"""Memory layout of the KV page pool, and gathers of a batch's pages out of it.
+
+Every consumer indexes one layer's pool as ``[num_pages, page_size, num_kv_heads, head_dim]``
+(attention.py). The storage behind that shape is either
+
+- contiguous ``[P, ps, Hkv, D]`` (GPU: the Triton kernels want it), or
+- head-major ``[Hkv, P, ps, D]`` seen through a permuted view (CPU). The torch attention
+  gathers the pages of the rows it attends; head-major storage makes that gather come out as
+  ``[Hkv, rows, keys, D]``, contiguous per head, which is the operand layout of a batched
+  GEMM. From the contiguous layout the same gather needs an extra transposing copy, and
+  torch's fused CPU SDPA over the strided gather is 2-3x slower than the GEMMs for the short
+  query lengths of decode rows.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def allocate_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device, head_major: bool) -> torch.Tensor:
+    """One layer's zeroed K (or V) pool, shaped [P, ps, Hkv, D] in either storage order."""
+    if head_major:
+        return torch.zeros((num_kv_heads, num_pages, page_size, head_dim), dtype=dtype,
+                           device=device).permute(1, 2, 0, 3)
+    return torch.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+
+def heads_view(cache: torch.Tensor) -> torch.Tensor | None:
+    """[Hkv, P * ps, D] view of a head-major pool (slot-indexed per head); None otherwise."""
+    p, ps, hkv, d = cache.shape
+    phys = cache.permute(2, 0, 1, 3)
+    if not phys.is_contiguous():
+        return None
+    return phys.view(hkv, p * ps, d)
+
+
+def _buffer(buffers: dict, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    # Gather destinations are reused by every layer of a step: a fresh multi-MiB tensor per
+    # layer costs page faults on each call (index_select into a reused buffer is ~1.5x faster).
+    buf = buffers.get(name)
+    if buf is None or buf.dtype != like.dtype or buf.shape != shape:
+        buf = buffers[name] = like.new_empty(shape)
+    return buf
+
+
+def gather_heads(cache: torch.Tensor, pages: torch.Tensor, buffers: dict, name: str) -> torch.Tensor:
+    """The keys (or values) of the given pages, in order, as [Hkv, len(pages) * ps, D],
+    contiguous, into a buffer kept in ``buffers`` under ``name``."""
+    p, ps, hkv, d = cache.shape
+    n = pages.numel()
+    if heads_view(cache) is not None:
+        out = _buffer(buffers, name, (hkv, n, ps * d), cache)
+        heads = cache.permute(2, 0, 1, 3).reshape(hkv, p, ps * d)
+        # One dim-0 gather per head: index_select along dim 1 of the whole pool is ~2.5x slower.
+        for h in range(hkv):
+            torch.index_select(heads[h], 0, pages, out=out[h])
+        return out.view(hkv, n * ps, d)
+    rows = torch.index_select(cache, 0, pages, out=_buffer(buffers, name + "/rows", (n, ps, hkv, d), cache))
+    out = _buffer(buffers, name, (hkv, n * ps, d), cache)
+    out.copy_(rows.view(n * ps, hkv, d).transpose(0, 1))
+    return out
