@@ -18,21 +18,25 @@ def require_triton() -> None:
 
 
 def make_batch(query_lens: list[int], seq_lens: list[int], page_size: int, num_pages: int,
-               gen: torch.Generator, pad_pages: int = 1) -> AttentionMetadata:
-    """Sequences get random distinct pages; the new tokens are the last query_len of each."""
+               gen: torch.Generator, pad_pages: int = 1, shared_pages: int = 0) -> AttentionMetadata:
+    """Sequences get random distinct pages; the new tokens are the last query_len of each.
+    shared_pages: every sequence's first pages are the same ones (a prefix cached once), and
+    its new tokens come after them."""
     assert all(0 < n <= L for n, L in zip(query_lens, seq_lens))
+    assert all(L - n >= shared_pages * page_size for n, L in zip(query_lens, seq_lens))
     decodes = 0
     while decodes < len(query_lens) and query_lens[decodes] == 1:
         decodes += 1
     need = [-(-L // page_size) for L in seq_lens]
     max_pages = max(need) + pad_pages
-    assert sum(need) <= num_pages
+    assert shared_pages + sum(need) - shared_pages * len(need) <= num_pages
     perm = torch.randperm(num_pages, generator=gen)
     tables = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
-    slots, used = [], 0
+    slots, used = [], shared_pages
     for b, (n, L) in enumerate(zip(query_lens, seq_lens)):
-        pages = perm[used:used + need[b]]
-        used += need[b]
+        own = need[b] - shared_pages
+        pages = torch.cat([perm[:shared_pages], perm[used:used + own]])
+        used += own
         tables[b, :need[b]] = pages.to(torch.int32)
         for pos in range(L - n, L):
             slots.append(int(pages[pos // page_size]) * page_size + pos % page_size)

@@ -22,11 +22,12 @@ LAYOUTS = pytest.mark.parametrize("head_major", [False, True], ids=["page-major"
 
 
 def _paged_case(query_lens, seq_lens, *, page_size=16, hkv=2, group=2, d=64,
-                dtype=torch.float32, seed=0, head_major=False):
-    """Writes each sequence's full K/V history into the pages via store_kv_torch."""
+                dtype=torch.float32, seed=0, head_major=False, shared_pages=0):
+    """Writes each sequence's full K/V history into the pages via store_kv_torch.
+    shared_pages: all sequences start with the same pages, holding the same keys (make_batch)."""
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-L // page_size) for L in seq_lens) + 3
-    meta = make_batch(query_lens, seq_lens, page_size, num_pages, g)
+    meta = make_batch(query_lens, seq_lens, page_size, num_pages, g, shared_pages=shared_pages)
     k_cache = kv_layout.allocate_pool(num_pages, page_size, hkv, d, dtype, torch.device("cpu"), head_major)
     v_cache = kv_layout.allocate_pool(num_pages, page_size, hkv, d, dtype, torch.device("cpu"), head_major)
     assert (kv_layout.heads_view(k_cache) is not None) == (head_major or hkv == 1)  # one head: both orders agree
@@ -37,6 +38,9 @@ def _paged_case(query_lens, seq_lens, *, page_size=16, hkv=2, group=2, d=64,
     for b, L in enumerate(seq_lens):
         k = torch.randn(L, hkv, d, generator=g).to(dtype)
         v = torch.randn(L, hkv, d, generator=g).to(dtype)
+        if b and shared_pages:  # the shared prefix holds the same keys for everyone
+            k[: shared_pages * page_size] = k_full[0][: shared_pages * page_size]
+            v[: shared_pages * page_size] = v_full[0][: shared_pages * page_size]
         pages = meta.block_tables[b, : -(-L // page_size)].long()
         slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:L]
         A.store_kv_torch(k, v, k_cache, v_cache, slots)
@@ -251,3 +255,33 @@ def test_reference_batches_short_chunks_with_padding(dtype, head_major):
     dense = dense_causal_attention(q.double(), [k.double() for k in kf], [v.double() for v in vf], meta, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ref.double(), dense, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@LAYOUTS
+def test_short_rows_attend_a_shared_prefix_once(dtype, head_major):
+    """Decode rows and forced chunks whose first 6 pages are the same (a cached system prompt):
+    the shared keys are gathered once and attended in one GEMM per KV head; still exact."""
+    import random
+
+    rng = random.Random(11)
+    qlens = [1] * 20 + [rng.randint(2, 9) for _ in range(12)] + [30]
+    lens = [rng.randint(97, 170) + n for n in qlens]
+    q, kc, vc, meta, kf, vf = _paged_case(qlens, lens, group=3, hkv=2, dtype=dtype, head_major=head_major,
+                                          shared_pages=6)
+    groups = short_rows.short_groups(meta, 16, 3, q.device)
+    assert [g.shared_pages.numel() for g in groups] == [6, 6]
+    assert torch.equal(groups[0].shared_pages.int(), meta.block_tables[0, :6])
+    dense = dense_causal_attention(q.double(), [k.double() for k in kf], [v.double() for v in vf], meta, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(A.paged_attention_torch(q, kc, vc, meta, 0.125).double(), dense, atol=tol, rtol=tol)
+
+
+def test_shared_prefix_stops_where_a_query_would_not_see_it():
+    """A shared page is attended in the shared GEMM only if every query of the group sees all of
+    its keys; otherwise the rows gather it themselves (and the mask hides what it must)."""
+    table = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 9]])
+    assert short_rows._shared_pages(table, [1, 1], [60, 50], 16) == 3  # 3 pages common
+    assert short_rows._shared_pages(table, [1, 12], [60, 50], 16) == 2  # position 38 sees 39 keys < 48
+    assert short_rows._shared_pages(table, [1, 1], [60, 20], 16) == 0  # 1 page: below MIN_SHARED_PAGES
+    assert short_rows._shared_pages(table[:1], [1], [60], 16) == 0  # one row: nothing to share

@@ -8,6 +8,11 @@ row still fills G rows of its K/V operand. For these short query lengths the GEM
 faster on CPU than torch's fused SDPA kernel, which tiles for long queries. The plan (index
 tensors, masks) depends only on the batch layout, so it is built once per step and cached on
 the metadata. Layout of q and the page pool: see attention.py and kv_layout.py.
+
+Rows that share leading pages (a common system prompt, cached once by the radix tree) attend
+to those keys in one GEMM per KV head with every row's queries stacked, over one gather of
+the shared pages, and only gather their own pages past them (cascade attention, as in
+FlashInfer and SGLang). Both parts' scores go through one softmax, so the result is exact.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ if TYPE_CHECKING:
 # Chunks up to this many tokens (decodes, grammar-forced tokens appended to a decoding request)
 # are attended in batched calls with the decode rows; longer chunks get one call each.
 SHORT_CHUNK = 16
+# Leading pages shared by every row of a group are attended once for all rows from this many up.
+MIN_SHARED_PAGES = 2
 
 
 def _length_buckets(lens: list[int], min_rows: int = 16) -> list[list[int]]:
@@ -49,11 +56,12 @@ def _length_buckets(lens: list[int], min_rows: int = 16) -> list[list[int]]:
 @dataclass
 class _ShortGroup:
     """One batched call over rows with short chunks, the same for every layer of a step."""
-    pages: torch.Tensor  # [rows * npages] page ids, gathered padded to the longest row
+    shared_pages: torch.Tensor | None  # leading page ids common to all rows (keys visible to every query)
+    pages: torch.Tensor  # [rows * npages] each row's own page ids past those, padded to the longest row
     padded_len: int  # npages * page_size
     q_index: torch.Tensor  # [rows * nmax] token of each (row, query slot); padding repeats a row's last token
     nmax: int
-    bias: torch.Tensor  # fp32 [rows, nmax * group, padded_len]: 0 where a query slot sees the key, -inf elsewhere
+    bias: torch.Tensor  # fp32 [rows, nmax * group, shared + padded_len keys]: 0 where a query slot sees the key, else -inf
     out_index: torch.Tensor  # tokens written back
     out_select: torch.Tensor | None  # which of the rows * nmax slots are real (None: all)
     buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
@@ -82,25 +90,39 @@ def short_groups(meta: AttentionMetadata, page_size: int, group: int, device) ->
             seq_lens = [meta.seq_lens_host[b] for b in rows]
             nmax = max(qlens)
             npages = -(-max(seq_lens) // page_size)
-            padded = npages * page_size
+            table = meta.block_tables[torch.tensor(rows, device=device), :npages].long()
+            nshared = _shared_pages(table, qlens, seq_lens, page_size)
+            padded = (npages - nshared) * page_size
             # Table entries past a sequence's last page may be padding (-1): any valid id
             # will do, those keys are masked out.
-            pages = meta.block_tables[torch.tensor(rows, device=device), :npages].clamp_min(0).long().reshape(-1)
+            pages = table[:, nshared:].clamp_min(0).reshape(-1)
+            shared = table[0, :nshared] if nshared else None
             slots = [min(j, n - 1) for n in qlens for j in range(nmax)]
             q_index = [qsl[b] + j for b, j in zip((b for b in rows for _ in range(nmax)), slots)]
             # Query j of a chunk of n sits at position L - n + j and sees keys at positions <= it.
             qpos = torch.tensor([L - n + j for n, L in zip(qlens, seq_lens) for j in
                                  (min(j, n - 1) for j in range(nmax))], device=device).view(len(rows), nmax)
-            hidden = torch.arange(padded, device=device)[None, None, :] > qpos[:, :, None]
-            hidden = hidden[:, :, None, :].expand(len(rows), nmax, group, padded).reshape(len(rows), nmax * group, padded)
+            nkeys = npages * page_size
+            hidden = torch.arange(nkeys, device=device)[None, None, :] > qpos[:, :, None]
+            hidden = hidden[:, :, None, :].expand(len(rows), nmax, group, nkeys).reshape(len(rows), nmax * group, nkeys)
             bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
             real = [j < n for n in qlens for j in range(nmax)]
             select = None if all(real) else torch.tensor(real, device=device)
             out_index = [t for t, r in zip(q_index, real) if r]
-            groups.append(_ShortGroup(pages, padded, torch.tensor(q_index, device=device), nmax, bias,
+            groups.append(_ShortGroup(shared, pages, padded, torch.tensor(q_index, device=device), nmax, bias,
                                       torch.tensor(out_index, device=device), select))
     meta.plan_cache[key] = groups
     return groups
+
+
+def _shared_pages(table: torch.Tensor, qlens: list[int], seq_lens: list[int], page_size: int) -> int:
+    """Leading pages that every row's table holds (same ids, so the same keys) and that every
+    query slot of every row sees in full; 0 when fewer than MIN_SHARED_PAGES."""
+    if table.shape[0] < 2:
+        return 0
+    same = (table == table[:1]).all(0).long().cumprod(0)
+    n = min(int(same.sum()), min(L - q + 1 for q, L in zip(qlens, seq_lens)) // page_size)
+    return n if n >= MIN_SHARED_PAGES else 0
 
 
 def attend_short(q, k_cache, v_cache, g: _ShortGroup, scale: float, out: torch.Tensor) -> None:
@@ -113,10 +135,20 @@ def attend_short(q, k_cache, v_cache, g: _ShortGroup, scale: float, out: torch.T
     v = gather_heads(v_cache, g.pages, g.buffers, "v").view(hkv * rows, g.padded_len, d)
     # [rows, nmax, Hkv, G, D] -> [Hkv, rows, nmax * G, D]: one GEMM row per (query slot, group head).
     qd = q.index_select(0, g.q_index).view(rows, g.nmax, hkv, group, d).permute(2, 0, 1, 3, 4)
-    qd = qd.reshape(hkv * rows, m, d)
-    scores = torch.bmm(qd, k.transpose(1, 2)).view(hkv, rows, m, g.padded_len)
+    qd = qd.reshape(hkv, rows * m, d)
+    scores = torch.bmm(qd.reshape(hkv * rows, m, d), k.transpose(1, 2)).view(hkv, rows, m, g.padded_len)
+    if g.shared_pages is not None:
+        ks = gather_heads(k_cache, g.shared_pages, g.buffers, "shared k")  # [Hkv, S, D]
+        vs = gather_heads(v_cache, g.shared_pages, g.buffers, "shared v")
+        # One [rows * m, D] x [D, S] GEMM per KV head: every row's queries against the shared keys.
+        shared = torch.bmm(qd, ks.transpose(1, 2)).view(hkv, rows, m, -1)
+        scores = torch.cat([shared, scores], -1)
     # bf16/fp16: the softmax in fp32, as HF's eager attention and SDPA's kernels do.
-    scores = scores.float().mul_(scale).add_(g.bias).softmax(-1).to(v.dtype)
-    o = torch.bmm(scores.view(hkv * rows, m, g.padded_len), v)  # [Hkv * rows, nmax * G, D]
+    probs = scores.float().mul_(scale).add_(g.bias).softmax(-1).to(v.dtype)
+    own = probs[..., probs.shape[-1] - g.padded_len:].reshape(hkv * rows, m, g.padded_len)
+    o = torch.bmm(own, v)  # [Hkv * rows, nmax * G, D]
+    if g.shared_pages is not None:
+        s = vs.shape[1]
+        o.view(hkv, rows * m, d).add_(torch.bmm(probs[..., :s].reshape(hkv, rows * m, s), vs))
     o = o.view(hkv, rows, g.nmax, group, d).permute(1, 2, 0, 3, 4).reshape(rows * g.nmax, hq, d)
     out[g.out_index] = o if g.out_select is None else o[g.out_select]
