@@ -58,7 +58,7 @@ class _ShortGroup:
     """One batched call over rows with short chunks, the same for every layer of a step."""
     shared_pages: torch.Tensor | None  # leading page ids common to all rows (keys visible to every query)
     pages: torch.Tensor  # [rows * npages] each row's own page ids past those, padded to the longest row
-    padded_len: int  # npages * page_size
+    padded_len: int  # keys gathered per row: (npages - shared pages) * page_size
     q_index: torch.Tensor  # [rows * nmax] token of each (row, query slot); padding repeats a row's last token
     nmax: int
     bias: torch.Tensor  # fp32 [rows, nmax * group, shared + padded_len keys]: 0 where a query slot sees the key, else -inf
