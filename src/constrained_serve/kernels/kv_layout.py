@@ -48,9 +48,10 @@ def gather_heads(cache: torch.Tensor, pages: torch.Tensor, buffers: dict, name: 
     contiguous, into a buffer kept in ``buffers`` under ``name``."""
     p, ps, hkv, d = cache.shape
     n = pages.numel()
-    if heads_view(cache) is not None:
+    heads = heads_view(cache)
+    if heads is not None:
         out = _buffer(buffers, name, (hkv, n, ps * d), cache)
-        heads = cache.permute(2, 0, 1, 3).reshape(hkv, p, ps * d)
+        heads = heads.view(hkv, p, ps * d)
         # One dim-0 gather per head: index_select along dim 1 of the whole pool is ~2.5x slower.
         for h in range(hkv):
             torch.index_select(heads[h], 0, pages, out=out[h])

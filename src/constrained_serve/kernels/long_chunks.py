@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_layout import gather_heads
+from .masking import additive_mask, masked_softmax, visible_keys
 from .short_rows import SHORT_CHUNK
 
 if TYPE_CHECKING:
@@ -50,14 +51,11 @@ def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, d
         if n <= SHORT_CHUNK:
             continue
         L = meta.seq_lens_host[b]
-        # Query j (position L-n+j) sees keys 0..L-n+j; one row per (query, group head).
-        qpos = torch.arange(L - n, L, device=device)
-        visible = torch.arange(L, device=device)[None, :] <= qpos[:, None]  # [n, L]
-        visible = visible[:, None, :].expand(n, group, L).reshape(n * group, L)
+        # Query j sits at position L-n+j; one row per (query, group head).
+        visible = visible_keys(torch.arange(L - n, L, device=device), L, group)  # [n*G, L]
         pages = meta.block_tables[b, : -(-L // page_size)]
         if hkv * n * group * L <= MAX_GEMM_SCORES:
-            bias = torch.zeros(n * group, L, device=device).masked_fill_(~visible, float("-inf"))
-            plans.append(_LongChunk(qsl[b], qsl[b + 1], L, pages, bias, None))
+            plans.append(_LongChunk(qsl[b], qsl[b + 1], L, pages, additive_mask(visible), None))
         else:
             plans.append(_LongChunk(qsl[b], qsl[b + 1], L, pages, None, visible))
     meta.plan_cache[key] = plans
@@ -76,9 +74,7 @@ def attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
         scores = torch.baddbmm(c.bias, qf, k.transpose(1, 2), alpha=scale)  # [Hkv, n*G, L]
         o = torch.bmm(scores.softmax(-1), v)
     elif c.bias is not None:
-        # bf16/fp16: the softmax in fp32, as HF's eager attention and SDPA's kernels do.
-        scores = torch.bmm(qf, k.transpose(1, 2)).float().mul_(scale).add_(c.bias)
-        o = torch.bmm(scores.softmax(-1).to(v.dtype), v)
+        o = torch.bmm(masked_softmax(torch.bmm(qf, k.transpose(1, 2)), scale, c.bias, v.dtype), v)
     else:
         # With a mask and no enable_gqa, torch's CPU SDPA takes its flash kernel.
         o = F.scaled_dot_product_attention(qf, k, v, attn_mask=c.bool_mask, scale=scale)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kv_layout import gather_heads
+from .masking import additive_mask, masked_softmax, visible_keys
 
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
@@ -102,10 +103,7 @@ def short_groups(meta: AttentionMetadata, page_size: int, group: int, device) ->
             # Query j of a chunk of n sits at position L - n + j and sees keys at positions <= it.
             qpos = torch.tensor([L - n + j for n, L in zip(qlens, seq_lens) for j in
                                  (min(j, n - 1) for j in range(nmax))], device=device).view(len(rows), nmax)
-            nkeys = npages * page_size
-            hidden = torch.arange(nkeys, device=device)[None, None, :] > qpos[:, :, None]
-            hidden = hidden[:, :, None, :].expand(len(rows), nmax, group, nkeys).reshape(len(rows), nmax * group, nkeys)
-            bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+            bias = additive_mask(visible_keys(qpos, npages * page_size, group))
             real = [j < n for n in qlens for j in range(nmax)]
             select = None if all(real) else torch.tensor(real, device=device)
             out_index = [t for t, r in zip(q_index, real) if r]
@@ -143,8 +141,7 @@ def attend_short(q, k_cache, v_cache, g: _ShortGroup, scale: float, out: torch.T
         # One [rows * m, D] x [D, S] GEMM per KV head: every row's queries against the shared keys.
         shared = torch.bmm(qd, ks.transpose(1, 2)).view(hkv, rows, m, -1)
         scores = torch.cat([shared, scores], -1)
-    # bf16/fp16: the softmax in fp32, as HF's eager attention and SDPA's kernels do.
-    probs = scores.float().mul_(scale).add_(g.bias).softmax(-1).to(v.dtype)
+    probs = masked_softmax(scores, scale, g.bias, v.dtype)
     own = probs[..., probs.shape[-1] - g.padded_len:].reshape(hkv * rows, m, g.padded_len)
     o = torch.bmm(own, v)  # [Hkv * rows, nmax * G, D]
     if g.shared_pages is not None:
