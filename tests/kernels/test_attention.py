@@ -50,15 +50,19 @@ def _paged_case(query_lens, seq_lens, *, page_size=16, hkv=2, group=2, d=64,
     return q, k_cache, v_cache, meta, k_full, v_full
 
 
+def _assert_matches_dense(q, kc, vc, meta, kf, vf, scale=0.125):
+    """The torch path against the float64 loop reference, at the tolerance of q's dtype."""
+    tol = 1e-5 if q.dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(A.paged_attention_torch(q, kc, vc, meta, scale).double(),
+                               dense_causal_attention(q, kf, vf, meta, scale), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("case", [MIXED, PREFILL_ONLY, DECODE_ONLY], ids=["mixed", "prefill", "decode"])
 @pytest.mark.parametrize("group", [1, 4])
 @LAYOUTS
 def test_reference_matches_dense(case, group, head_major):
     q, kc, vc, meta, kf, vf = _paged_case(*case, group=group, head_major=head_major)
-    scale = 64 ** -0.5
-    ref = A.paged_attention_torch(q, kc, vc, meta, scale)
-    dense = dense_causal_attention(q, kf, vf, meta, scale)
-    torch.testing.assert_close(ref.double(), dense, atol=1e-5, rtol=1e-5)
+    _assert_matches_dense(q, kc, vc, meta, kf, vf, scale=64 ** -0.5)
 
 
 def test_reference_length_buckets_match_dense():
@@ -69,9 +73,7 @@ def test_reference_length_buckets_match_dense():
     lens = [rng.choice([1, 15, 16, 17, 40, 64, 90, 130]) for _ in range(40)] + [3, 7]
     q, kc, vc, meta, kf, vf = _paged_case([1] * 40 + [3, 7], lens, group=3, hkv=1)
     assert len(short_rows._length_buckets(meta.seq_lens_host[:40])) > 1
-    ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)
-    dense = dense_causal_attention(q, kf, vf, meta, 0.125)
-    torch.testing.assert_close(ref.double(), dense, atol=1e-5, rtol=1e-5)
+    _assert_matches_dense(q, kc, vc, meta, kf, vf)
 
 
 # Long chunks (> SHORT_CHUNK tokens): a whole prompt, a chunk after a cached prefix ending
@@ -89,10 +91,7 @@ def test_long_chunks_match_dense(monkeypatch, gemm, dtype, head_major):
     q, kc, vc, meta, kf, vf = _paged_case(*LONG, group=3, hkv=2, dtype=dtype, head_major=head_major)
     plans = long_chunks.long_chunks(meta, 16, 2, 3, q.device)
     assert len(plans) == 3 and all((p.bias is not None) == gemm for p in plans)
-    dense = dense_causal_attention(q.double(), [k.double() for k in kf], [v.double() for v in vf], meta, 0.125)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(A.paged_attention_torch(q, kc, vc, meta, 0.125).double(), dense,
-                               atol=tol, rtol=tol)
+    _assert_matches_dense(q, kc, vc, meta, kf, vf)
 
 
 def test_reference_tolerates_padded_block_tables():
@@ -101,9 +100,7 @@ def test_reference_tolerates_padded_block_tables():
     for b, L in enumerate(meta.seq_lens_host):
         bt[b, -(-L // 16):] = -1
     meta.block_tables = bt
-    dense = dense_causal_attention(q, kf, vf, meta, 0.125)
-    torch.testing.assert_close(A.paged_attention_torch(q, kc, vc, meta, 0.125).double(), dense,
-                               atol=1e-5, rtol=1e-5)
+    _assert_matches_dense(q, kc, vc, meta, kf, vf)
 
 
 @LAYOUTS
@@ -250,11 +247,8 @@ def test_reference_batches_short_chunks_with_padding(dtype, head_major):
     groups = short_rows.short_groups(meta, 16, 3, q.device)
     assert sum(g.bias.shape[0] for g in groups) == 5 + len(chunks)  # every short row batched
     assert any(g.nmax == 16 for g in groups) and any(g.out_select is not None for g in groups)
-    assert sum(g.bias.shape[0] for g in groups if g.nmax == 1) == 5 + qlens.count(1) - 5
-    ref = A.paged_attention_torch(q, kc, vc, meta, 0.125)
-    dense = dense_causal_attention(q.double(), [k.double() for k in kf], [v.double() for v in vf], meta, 0.125)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(ref.double(), dense, atol=tol, rtol=tol)
+    assert sum(g.bias.shape[0] for g in groups if g.nmax == 1) == qlens.count(1)
+    _assert_matches_dense(q, kc, vc, meta, kf, vf)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -272,9 +266,7 @@ def test_short_rows_attend_a_shared_prefix_once(dtype, head_major):
     groups = short_rows.short_groups(meta, 16, 3, q.device)
     assert [g.shared_pages.numel() for g in groups] == [6, 6]
     assert torch.equal(groups[0].shared_pages.int(), meta.block_tables[0, :6])
-    dense = dense_causal_attention(q.double(), [k.double() for k in kf], [v.double() for v in vf], meta, 0.125)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(A.paged_attention_torch(q, kc, vc, meta, 0.125).double(), dense, atol=tol, rtol=tol)
+    _assert_matches_dense(q, kc, vc, meta, kf, vf)
 
 
 def test_shared_prefix_stops_where_a_query_would_not_see_it():
