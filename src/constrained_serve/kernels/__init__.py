@@ -3,7 +3,8 @@
 - attention.py: store_kv_{torch,triton}, paged_attention_{torch,triton} (varlen mixed batch,
   GQA, split-KV decode), AttentionMetadata. The torch path's plans: short_rows.py (decodes,
   forced chunks, shared-prefix pages), long_chunks.py (prefill chunks); kv_layout.py: the
-  pool's storage order (head-major on CPU) and page gathers.
+  pool's storage order (head-major on CPU) and page gathers; masking.py: the causal masks and
+  fp32 masked softmax both plans use.
 - sampling.py: apply_bitmask_{torch,triton}, sample_{torch,triton} (fused mask, temperature,
   top-k/top-p/min-p, seeded Gumbel draw).
 - norm.py: rms_norm_{torch,triton} (+ residual), rotary_{torch,triton}.
