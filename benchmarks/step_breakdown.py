@@ -11,9 +11,9 @@ prefill-heavy step of (a) (512 tokens: new prompts plus the rows already decodin
 - ``gemms_only``: attention, the KV store, rotary, the norms and the MLP's SiLU*up are all
   skipped, so only the projections, the LM head and the embedding lookup remain.
 
-The outputs of the ablated replays are garbage, and nothing they compute is kept: the
-replays only time shapes. The KV they write lands in the slots of the recorded step, which
-hold the same sequences' keys either way.
+The outputs of the ablated replays are garbage: the replays only time shapes. The KV they
+write (past layer 0 with attention off) is garbage too, so the prefix cache is emptied after
+the replays and nothing reads those pages again.
 
 From the per-step trace it prints each run's time in prefill-heavy and in light steps, and
 the (a)/(b) output-tokens/s ratio that would follow if the prefill-heavy steps ran at
@@ -138,6 +138,7 @@ def main() -> None:
     payload = {"dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "replays": {}}
     for name, inputs in (("prefill_heavy_512", heavy), ("decode_64", decode)):
         t = replay(engine, inputs, args.repeats)
+        engine.kv.radix.evict(engine.pool.num_pages)  # the ablated replays wrote garbage KV
         full = t["full"]
         shares = {"attention": (full - t["no_attention"]) / full, "gemms": t["gemms_only"] / full}
         shares["other"] = 1 - shares["attention"] - shares["gemms"]
