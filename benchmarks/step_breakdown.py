@@ -24,7 +24,6 @@ the (a)/(b) output-tokens/s ratio that would follow if the prefill-heavy steps r
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,8 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import save  # noqa: E402
-from structured import SCHEMA, workload  # noqa: E402
+from common import median, save, timed  # noqa: E402
+from structured import run_ours, workload  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from constrained_serve.kernels import dispatch  # noqa: E402
@@ -42,8 +41,9 @@ from constrained_serve.models import llama  # noqa: E402
 PREFILL_HEAVY = 256  # a step with more new tokens than this counts as prefill-heavy
 
 
-def record(engine: Engine, convs, schema) -> tuple[float, int, list[tuple[object, float]]]:
-    """One run; returns wall time, output tokens and (forward inputs, step seconds) per step."""
+def record(engine: Engine, convs, constrained: bool) -> tuple[float, int, list[tuple[object, float]]]:
+    """One run of structured.py's (a) or (b); returns wall time, output tokens and
+    (forward inputs, step seconds) per step."""
     core, steps = engine.core, []
     forward, step = core.runner.forward, core.step
     last = {}
@@ -61,13 +61,10 @@ def record(engine: Engine, convs, schema) -> tuple[float, int, list[tuple[object
 
     core.runner.forward, core.step = recording_forward, timed_step
     try:
-        engine.kv.radix.evict(engine.pool.num_pages)  # every run prefills its prompts again
-        t = time.perf_counter()
-        results = engine.chat(convs, SamplingParams(max_tokens=96, temperature=0), schema=schema)
-        wall = time.perf_counter() - t
+        wall, (tokens, _) = timed(run_ours(engine, convs, SamplingParams(max_tokens=96), constrained))
     finally:
         core.runner.forward, core.step = forward, step
-    return wall, sum(len(r.token_ids) for r in results), steps
+    return wall, tokens, steps
 
 
 def _no_attention():
@@ -106,7 +103,7 @@ def replay(engine: Engine, inputs, repeats: int) -> dict[str, float]:
                 restore()
     finally:
         restore()
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: median(ts) for name, ts in times.items()}
 
 
 def split(steps) -> dict[str, float]:
@@ -127,9 +124,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engine = Engine(num_threads=args.threads, max_num_seqs=64, dtype=args.dtype)
     convs = workload(64)
-    record(engine, convs, SCHEMA)  # warm-up: grammar compile, oneDNN primitives
-    wall_a, tokens_a, steps_a = record(engine, convs, SCHEMA)
-    wall_b, tokens_b, steps_b = record(engine, convs, None)
+    record(engine, convs, True)  # warm-up: grammar compile, oneDNN primitives
+    wall_a, tokens_a, steps_a = record(engine, convs, True)
+    wall_b, tokens_b, steps_b = record(engine, convs, False)
 
     heavy = next(i for i, _ in steps_a if i.input_ids.shape[0] == 512)
     decode = next((i for i, _ in steps_b if i.meta.query_lens_host.count(1) == 64), None)
@@ -138,7 +135,8 @@ def main() -> None:
     payload = {"dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "replays": {}}
     for name, inputs in (("prefill_heavy_512", heavy), ("decode_64", decode)):
         t = replay(engine, inputs, args.repeats)
-        engine.kv.radix.evict(engine.pool.num_pages)  # the ablated replays wrote garbage KV
+        if engine.kv.radix is not None:
+            engine.kv.radix.evict(engine.pool.num_pages)  # the ablated replays wrote garbage KV
         full = t["full"]
         shares = {"attention": (full - t["no_attention"]) / full, "gemms": t["gemms_only"] / full}
         shares["other"] = 1 - shares["attention"] - shares["gemms"]
