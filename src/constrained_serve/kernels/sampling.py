@@ -7,6 +7,8 @@ output position), so a row's draw does not depend on what else is in the batch.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -19,10 +21,33 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return allowed.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+# Row b of this table is the additive mask of one bitmask byte b: 0 for a set bit, -inf else.
+_BYTE_MASKS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_masks(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    table = _BYTE_MASKS.get((device, dtype))
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(device, dtype)
+        _BYTE_MASKS[(device, dtype)] = table
+    return table
+
+
 def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """In place: logits[r, t] = -inf where the bit is 0. Returns logits."""
-    allowed = unpack_bitmask(bitmask, logits.shape[-1])
-    logits.masked_fill_(~allowed, float("-inf"))
+    """In place: logits[r, t] = -inf where the bit is 0. Returns logits.
+
+    Adds an additive mask looked up byte by byte (bits 8k..8k+7 of a little-endian word are
+    its byte k, so the bytes of a row, in memory order, cover tokens 8 at a time) instead of
+    ``masked_fill_`` with the unpacked bool mask: on CPU that took 8 ms for 64 rows of a
+    49k vocabulary, the lookup and add take 2 ms (measured on the project's 2-core VM)."""
+    if sys.byteorder != "little":
+        logits.masked_fill_(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+        return logits
+    rows, vocab = logits.shape
+    masks = _byte_masks(logits.device, logits.dtype)
+    add = masks.index_select(0, bitmask.contiguous().view(torch.uint8).reshape(-1).long())
+    logits.add_(add.view(rows, -1)[:, :vocab])
     return logits
 
 
