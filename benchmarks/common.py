@@ -62,6 +62,8 @@ def save(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     kind = "gpu" if torch.cuda.is_available() else "cpu"
     path = RESULTS / f"{time.strftime('%Y-%m-%d')}-{kind}-{name}.json"
+    if path.exists():  # a second run the same day (or with --skip flags) keeps the first one's figures
+        path = path.with_name(f"{path.stem}-{time.strftime('%H%M%S')}.json")
     payload = {"machine": machine(), **payload}
     path.write_text(json.dumps(payload, indent=2))
     return path
