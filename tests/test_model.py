@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from constrained_serve.kernels import long_chunks
 from constrained_serve.models import loader
 from constrained_serve.models.cpu_linear import PackedLinear
 from constrained_serve.params import SamplingParams
@@ -11,18 +12,18 @@ from constrained_serve.runner import Batch, ModelRunner, ScheduledChunk
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time, in a land far away, there lived"]
 
 
-def _our_logits(folder, tok, prompts, chunk=5):
+def _our_logits(folder, tok, prompts, chunk=5, pages_per_request=4):
     """Mixed batches: chunked prefill of every prompt, then one decode step each."""
     src = loader.resolve_model(str(folder))
     cfg, _ = loader.load_config_and_tokenizer(src)
     model = loader.build_model(src, cfg, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(model, 64, 16, torch.device("cpu"), torch.float32)
+    runner = ModelRunner(model, max(64, pages_per_request * len(prompts)), 16, torch.device("cpu"), torch.float32)
     reqs = []
     next_page = 0
     for p in prompts:
         r = Request(tok(p, add_special_tokens=False)["input_ids"], SamplingParams())
-        r.pages = list(range(next_page, next_page + 4))
-        next_page += 4
+        r.pages = list(range(next_page, next_page + pages_per_request))
+        next_page += pages_per_request
         reqs.append(r)
     last = {}
     while any(r.num_pending for r in reqs):
@@ -59,6 +60,22 @@ def test_tiny_logits_match_hf(which, request, default_tokenizer):
     reqs, prefill, decode = _our_logits(folder, default_tokenizer, PROMPTS)
     for r, pre, dec in zip(reqs, prefill, decode):
         ref = _hf_logits(folder, r.token_ids)
+        assert (pre - ref[-2]).abs().max().item() < 1e-4
+        assert (dec - ref[-1]).abs().max().item() < 1e-4
+
+
+def test_long_prefill_chunks_match_hf(tiny_llama_dir, default_tokenizer, monkeypatch):
+    """Prefill chunks of 200 tokens over up to 400 keys take the per-head oneDNN attention
+    (fp32 on CPU, kernels/long_chunks.py); the logits still equal HF's."""
+    calls = []
+    per_head = long_chunks._attend_per_head
+    monkeypatch.setattr(long_chunks, "_attend_per_head", lambda *a: calls.append(1) or per_head(*a))
+    prompts = [" ".join(f"item{i} costs {i % 17} euros" for i in range(n)) for n in (60, 75)]
+    reqs, prefill, decode = _our_logits(tiny_llama_dir, default_tokenizer, prompts, chunk=200, pages_per_request=40)
+    assert calls, "the per-head path did not run"
+    assert min(r.num_prompt for r in reqs) > 300
+    for r, pre, dec in zip(reqs, prefill, decode):
+        ref = _hf_logits(tiny_llama_dir, r.token_ids)
         assert (pre - ref[-2]).abs().max().item() < 1e-4
         assert (dec - ref[-1]).abs().max().item() < 1e-4
 

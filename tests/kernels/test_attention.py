@@ -81,17 +81,44 @@ def test_reference_length_buckets_match_dense():
 LONG = ([1, 1, 40, 23, 3, 70], [30, 5, 40, 57, 19, 100])
 
 
-@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "sdpa"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path,dtype", [("per_head", torch.float32)] + [
+    (path, dtype) for path in ("batched", "sdpa") for dtype in (torch.float32, torch.bfloat16)])
 @LAYOUTS
-def test_long_chunks_match_dense(monkeypatch, gemm, dtype, head_major):
-    """Both long-chunk paths: the batched GEMMs and, for large score matrices, SDPA."""
-    if not gemm:
+def test_long_chunks_match_dense(monkeypatch, path, dtype, head_major):
+    """Every long-chunk path: oneDNN GEMMs per KV head (fp32 on CPU only), the batched GEMMs
+    and, for large score matrices, SDPA."""
+    if path == "per_head":
+        assert long_chunks.per_head_onednn(dtype, torch.device("cpu")), "oneDNN matmul missing from this torch"
+        monkeypatch.setattr(long_chunks, "MIN_HEAD_SCORES", 0)  # the test's chunks are small
+    else:
+        monkeypatch.setattr(long_chunks, "per_head_onednn", lambda dtype, device: False)
+    if path == "sdpa":
         monkeypatch.setattr(long_chunks, "MAX_GEMM_SCORES", 0)
     q, kc, vc, meta, kf, vf = _paged_case(*LONG, group=3, hkv=2, dtype=dtype, head_major=head_major)
-    plans = long_chunks.long_chunks(meta, 16, 2, 3, q.device)
-    assert len(plans) == 3 and all((p.bias is not None) == gemm for p in plans)
+    plans = long_chunks.long_chunks(meta, 16, 2, 3, q.device, dtype)
+    assert len(plans) == 3 and all((p.bias is not None) == (path != "sdpa") for p in plans)
+    assert all(p.per_head == (path == "per_head") for p in plans)
     _assert_matches_dense(q, kc, vc, meta, kf, vf)
+
+
+def test_per_head_path_takes_chunks_too_large_for_the_batched_one(monkeypatch):
+    """The per-head path bounds memory by one head's scores: a chunk over the batched limit
+    stays on it, and goes to SDPA only past the per-head limit."""
+    q, kc, vc, meta, kf, vf = _paged_case(*LONG, group=3, hkv=2, dtype=torch.float32, head_major=True)
+    monkeypatch.setattr(long_chunks, "MAX_GEMM_SCORES", 0)
+    monkeypatch.setattr(long_chunks, "MIN_HEAD_SCORES", 0)
+    assert all(p.per_head for p in long_chunks.long_chunks(meta, 16, 2, 3, q.device, torch.float32))
+    meta.plan_cache.clear()
+    monkeypatch.setattr(long_chunks, "MAX_HEAD_SCORES", 0)
+    assert all(p.bool_mask is not None for p in long_chunks.long_chunks(meta, 16, 2, 3, q.device, torch.float32))
+    _assert_matches_dense(q, kc, vc, meta, kf, vf)
+
+
+def test_small_chunks_stay_batched():
+    """Below MIN_HEAD_SCORES the batched GEMMs are as fast, and fp32 keeps them."""
+    q, kc, vc, meta, kf, vf = _paged_case(*LONG, group=3, hkv=2, dtype=torch.float32, head_major=True)
+    plans = long_chunks.long_chunks(meta, 16, 2, 3, q.device, torch.float32)
+    assert plans and not any(p.per_head for p in plans) and all(p.bias is not None for p in plans)
 
 
 def test_reference_tolerates_padded_block_tables():

@@ -71,7 +71,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = torch.empty_like(q)
     for g in short_groups(meta, page_size, group, q.device):
         attend_short(q, k_cache, v_cache, g, scale, out)
-    for c in long_chunks(meta, page_size, hkv, group, q.device):
+    for c in long_chunks(meta, page_size, hkv, group, q.device, q.dtype):
         attend_long(q, k_cache, v_cache, c, scale, out)
     return out
 

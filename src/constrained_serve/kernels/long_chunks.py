@@ -7,9 +7,17 @@ K/V operand. For the chunk sizes of a prefill step (up to a few hundred queries 
 hundred keys) that is 2-3x faster on CPU than torch's fused SDPA kernel, which tiles for long
 sequences. Chunks whose score matrix would be large go to SDPA (its flash kernel streams the
 keys and never holds the whole matrix). Layout of q and the page pool: see attention.py.
+
+fp32 on CPU goes one KV head at a time through oneDNN's matmul instead (``per_head``):
+torch.bmm runs MKL there, which takes a narrower code path on AMD CPUs (models/cpu_linear.py
+says more). On the project's 2-core AMD EPYC, a 256-query chunk over 400 keys takes 1.0 ms
+that way against 4.4 ms batched, 512 queries over 1024 keys 5.6 ms against 23 ms (31 ms in
+SDPA); chunks of up to ~100 queries take the same time either way. One head at a time also
+bounds the score memory by one head's matrix, so larger chunks stay on the GEMM path.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,8 +31,22 @@ from .short_rows import SHORT_CHUNK
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
 
-# Scores ([Hkv, n*G, L] floats) up to this many elements use the GEMM path: 4M fp32 = 16 MiB.
+# Scores ([Hkv, n*G, L] floats) up to this many elements use the batched GEMM path: 4M fp32 = 16 MiB.
 MAX_GEMM_SCORES = 1 << 22
+# The per-head path holds one head's [n*G, L] scores at a time: up to 8M fp32 = 32 MiB. It
+# takes chunks from 64K scores per head: below, the batched GEMMs are as fast (measured: 100
+# queries over 200 keys, 60K, the same; 128 over 228, 88K, 1.2x faster per head; 160 over
+# 260, 3x, where MKL's batched GEMM falls off a cliff).
+MAX_HEAD_SCORES = 1 << 23
+MIN_HEAD_SCORES = 1 << 16
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def per_head_onednn(dtype: torch.dtype, device: torch.device) -> bool:
+    """fp32 on CPU: the per-head oneDNN path (CONSTRAINED_SERVE_CPU_LINEAR=torch turns it off,
+    as it does the prepacked linears)."""
+    return (device.type == "cpu" and dtype == torch.float32 and _HAS_ONEDNN
+            and os.environ.get("CONSTRAINED_SERVE_CPU_LINEAR", "onednn") != "torch")
 
 
 @dataclass
@@ -37,12 +59,15 @@ class _LongChunk:
     # Additive fp32 [n*G, L] mask (0 visible, -inf hidden) for the GEMM path; None: SDPA with bool_mask.
     bias: torch.Tensor | None
     bool_mask: torch.Tensor | None
+    per_head: bool  # GEMM path one KV head at a time through oneDNN (fp32 on CPU)
     buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
 
 
-def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, device) -> list[_LongChunk]:
+def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, device,
+                dtype: torch.dtype = torch.float32) -> list[_LongChunk]:
     """Plan every long chunk of the step once (cached on meta)."""
-    key = ("long", page_size, hkv, group)
+    per_head = per_head_onednn(dtype, torch.device(device))
+    key = ("long", page_size, hkv, group, per_head)
     if key in meta.plan_cache:
         return meta.plan_cache[key]
     plans, qsl = [], meta.query_starts_host
@@ -54,10 +79,12 @@ def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, d
         # Query j sits at position L-n+j; one row per (query, group head).
         visible = visible_keys(torch.arange(L - n, L, device=device), L, group)  # [n*G, L]
         pages = meta.block_tables[b, : -(-L // page_size)]
-        if hkv * n * group * L <= MAX_GEMM_SCORES:
-            plans.append(_LongChunk(qsl[b], qsl[b + 1], L, pages, additive_mask(visible), None))
+        head_scores = n * group * L
+        on_head = per_head and MIN_HEAD_SCORES <= head_scores <= MAX_HEAD_SCORES
+        if on_head or hkv * head_scores <= MAX_GEMM_SCORES:
+            plans.append(_LongChunk(qsl[b], qsl[b + 1], L, pages, additive_mask(visible), None, on_head))
         else:
-            plans.append(_LongChunk(qsl[b], qsl[b + 1], L, pages, None, visible))
+            plans.append(_LongChunk(qsl[b], qsl[b + 1], L, pages, None, visible, False))
     meta.plan_cache[key] = plans
     return plans
 
@@ -69,6 +96,9 @@ def attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
     group, n, L = hq // hkv, c.end - c.start, c.seq_len
     k = gather_heads(k_cache, c.pages, c.buffers, "k")[:, :L]  # [Hkv, L, D]
     v = gather_heads(v_cache, c.pages, c.buffers, "v")[:, :L]
+    if c.per_head:
+        return _attend_per_head(q[c.start:c.end].view(n, hkv, group, d), k, v, c.bias, scale,
+                                out[c.start:c.end].view(n, hkv, group, d))
     qf = q[c.start:c.end].view(n, hkv, group, d).transpose(0, 1).reshape(hkv, n * group, d)
     if c.bias is not None and q.dtype == torch.float32:
         scores = torch.baddbmm(c.bias, qf, k.transpose(1, 2), alpha=scale)  # [Hkv, n*G, L]
@@ -79,3 +109,18 @@ def attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
         # With a mask and no enable_gqa, torch's CPU SDPA takes its flash kernel.
         o = F.scaled_dot_product_attention(qf, k, v, attn_mask=c.bool_mask, scale=scale)
     out[c.start:c.end] = o.view(hkv, n, group, d).transpose(0, 1).reshape(n, hq, d)
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T through oneDNN (w used as a dense linear weight, any strides)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def _attend_per_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> None:
+    """q, out: [n, Hkv, G, D]; k, v: [Hkv, L, D]. Per KV head: its G query heads folded into
+    the rows ([n*G, D]), scores [n*G, L], masked softmax, PV."""
+    n, hkv, group, d = q.shape
+    for h in range(hkv):
+        scores = _mm(q[:, h].reshape(n * group, d), k[h])
+        out[:, h] = _mm(masked_softmax(scores, scale, bias, q.dtype), v[h].t()).view(n, group, d)
