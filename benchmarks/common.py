@@ -58,6 +58,33 @@ def median(xs):
     return statistics.median(xs)
 
 
+def per_round(num: list[float], den: list[float]) -> float:
+    """Median of the per-round ratios num[k] / den[k]."""
+    return median([x / y for x, y in zip(num, den)])
+
+
+def measure_rounds(systems: dict[str, tuple], repeats: int) -> dict[str, dict]:
+    """Run every system once per round, ``repeats`` rounds: slow drifts of a shared VM then
+    hit all systems alike, and per-round ratios cancel them. systems: name -> (go, warm up?);
+    go() returns (output tokens, valid-output rate or None)."""
+    for name, (go, warm) in systems.items():
+        if warm:  # first-call allocations; the slow baselines skip it (their first batch warms up)
+            go()
+    runs: dict[str, list] = {name: [] for name in systems}
+    for k in range(repeats):
+        for name, (go, _) in systems.items():
+            runs[name].append(timed(go))
+            t, (n, rate) = runs[name][-1]
+            valid = "" if rate is None else f"  valid {rate * 100:5.1f}%"
+            print(f"  round {k + 1}: {name:<40} {t:6.1f} s  {n / t:6.1f} tokens/s{valid}", flush=True)
+    out = {}
+    for name, rs in runs.items():
+        out[name] = {"wall_s": median([t for t, _ in rs]), "tokens_per_s": median([n / t for t, (n, _) in rs]),
+                     "valid_rate": rs[-1][1][1], "runs": [t for t, _ in rs],
+                     "tokens_per_s_runs": [n / t for t, (n, _) in rs], "output_tokens": rs[-1][1][0]}
+    return out
+
+
 def save(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     kind = "gpu" if torch.cuda.is_available() else "cpu"

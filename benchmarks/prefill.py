@@ -5,7 +5,8 @@ prefix cache: the time is the prefill (chunked in our engine, one forward in HF'
 sampled token. Same model, dtype and torch thread count for both. A third column runs our
 engine with the long-chunk attention forced onto the batched torch.bmm GEMMs (what fp32 on
 CPU used before the per-head oneDNN path, kernels/long_chunks.py), to show what that path
-is worth. Systems run interleaved, once per round; times are medians over --repeats rounds.
+is worth. Systems run interleaved, once per round; times are medians over --repeats rounds,
+ratios medians of the per-round ratios.
 
     python benchmarks/prefill.py [--repeats 5] [--lengths 512 1024 2048] [--threads 2] [--skip-hf]
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, median, save, timed  # noqa: E402
+from common import machine, measure_rounds, per_round, save  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from constrained_serve.kernels import long_chunks  # noqa: E402
@@ -60,7 +61,7 @@ def main() -> None:
             try:
                 engine.kv.radix and engine.kv.radix.evict(engine.pool.num_pages)  # cold cache
                 [r] = engine.generate([text], params)
-                return r.usage.prompt_tokens
+                return r.usage.prompt_tokens, None
             finally:
                 long_chunks.per_head_onednn = per_head
         return go
@@ -71,31 +72,24 @@ def main() -> None:
         def go():
             with torch.inference_mode():
                 hf.generate(**enc, max_new_tokens=1, do_sample=False, pad_token_id=tok.eos_token_id)
-            return enc["input_ids"].shape[1]
+            return enc["input_ids"].shape[1], None
         return go
 
     results = []
     for n in args.lengths:
         text = prompt_of(tok, n)
-        systems = {"ours": ours(text, False), "ours_batched_attention": ours(text, True)}
+        systems = {"ours": (ours(text, False), True), "ours_batched_attention": (ours(text, True), True)}
         if hf is not None:
-            systems["hf_generate"] = hf_go(text)
-        for go in systems.values():
-            go()  # warm-up: first-call allocations and oneDNN kernel creation for these shapes
-        times: dict[str, list[float]] = {name: [] for name in systems}
-        prompt_tokens = 0
-        for _ in range(args.repeats):
-            for name, go in systems.items():
-                t, count = timed(go)
-                times[name].append(t)
-                prompt_tokens = count if name == "ours" else prompt_tokens
-        row = {"prompt_tokens": prompt_tokens, **{f"{name}_s": median(ts) for name, ts in times.items()},
-               "runs": times}
-        line = f"{prompt_tokens:5d} prompt tokens: ours {row['ours_s']:.3f} s, " \
+            systems["hf_generate"] = (hf_go(text), True)
+        m = measure_rounds(systems, args.repeats)  # prints prompt tokens/s per round
+        row = {"prompt_tokens": m["ours"]["output_tokens"], **{f"{name}_s": r["wall_s"] for name, r in m.items()},
+               "runs": {name: r["runs"] for name, r in m.items()}}
+        row["batched_attention_slowdown"] = per_round(m["ours_batched_attention"]["runs"], m["ours"]["runs"])
+        line = f"{row['prompt_tokens']:5d} prompt tokens: ours {row['ours_s']:.3f} s, " \
                f"ours with batched attention GEMMs {row['ours_batched_attention_s']:.3f} s " \
-               f"({row['ours_batched_attention_s'] / row['ours_s']:.2f}x)"
+               f"({row['batched_attention_slowdown']:.2f}x)"
         if hf is not None:
-            row["speedup_vs_hf"] = row["hf_generate_s"] / row["ours_s"]
+            row["speedup_vs_hf"] = per_round(m["hf_generate"]["runs"], m["ours"]["runs"])
             line += f", HF generate {row['hf_generate_s']:.3f} s ({row['speedup_vs_hf']:.2f}x)"
         print(line)
         results.append(row)

@@ -32,7 +32,7 @@ import jsonschema
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, median, save, timed  # noqa: E402
+from common import machine, measure_rounds, per_round, save  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 
@@ -174,26 +174,6 @@ def run_outlines(model_dir, tok, convs, max_tokens, batch, dtype):
     return go
 
 
-def measure_rounds(systems: dict[str, tuple], repeats: int) -> dict[str, dict]:
-    """Run every system once per round, ``repeats`` rounds: slow drifts of a shared VM then
-    hit all systems alike, and per-round ratios cancel them. systems: name -> (go, warm up?)."""
-    for name, (go, warm) in systems.items():
-        if warm:  # first-call allocations; the slow baselines skip it (their first batch warms up)
-            go()
-    runs: dict[str, list] = {name: [] for name in systems}
-    for k in range(repeats):
-        for name, (go, _) in systems.items():
-            runs[name].append(timed(go))
-            t, (n, rate) = runs[name][-1]
-            print(f"  round {k + 1}: {name:<40} {t:6.1f} s  {n / t:6.1f} tokens/s  valid {rate * 100:5.1f}%", flush=True)
-    out = {}
-    for name, rs in runs.items():
-        out[name] = {"wall_s": median([t for t, _ in rs]), "tokens_per_s": median([n / t for t, (n, _) in rs]),
-                     "valid_rate": rs[-1][1][1], "runs": [t for t, _ in rs],
-                     "tokens_per_s_runs": [n / t for t, (n, _) in rs]}
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -238,9 +218,6 @@ def main() -> None:
         print(f"{name:<40} wall {m['wall_s']:7.1f} s   output tokens/s {m['tokens_per_s']:7.1f}   "
               f"valid {m['valid_rate'] * 100:5.1f}%   (per round: {[round(t, 1) for t in m['runs']]})")
     a, b, b2 = res["ours_constrained"], res["ours_unconstrained"], res["ours_unconstrained_same_lengths"]
-
-    def per_round(num, den):  # median of the per-round ratios
-        return median([x / y for x, y in zip(num, den)])
 
     res["structure_cost_ratio"] = per_round(a["tokens_per_s_runs"], b["tokens_per_s_runs"])
     print(f"(a)/(b) output tokens/s: {res['structure_cost_ratio']:.2f}x (target >= 0.95; median of per-round ratios)")

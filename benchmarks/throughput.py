@@ -2,7 +2,8 @@
 
 Same workload (64 chat requests of varied length, max_tokens 96, greedy, stop at EOS), same
 model (the default SmolLM2-135M-Instruct unless --model), same torch thread count, one run.
-Prints output tokens/s of each (medians over --repeats) and the ratio.
+Both systems run once per round (interleaved, so a drifting VM slows both alike). Prints
+output tokens/s of each (medians over --repeats rounds) and the median per-round ratio.
 
     python benchmarks/throughput.py [--repeats 3] [--n 64] [--max-tokens 96] [--threads 2]
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import chat_workload, machine, median, save, timed  # noqa: E402
+from common import chat_workload, machine, measure_rounds, per_round, save  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 
@@ -39,7 +40,7 @@ def run_hf(model_dir, tokenizer, convs, max_tokens, batch_size):
             gen = out[:, enc["input_ids"].shape[1]:]
             for row in gen.tolist():
                 n_out += next((k + 1 for k, t in enumerate(row) if t == eos), len(row))
-        return n_out
+        return n_out, None
 
     return go
 
@@ -63,24 +64,19 @@ def main() -> None:
     def ours():
         engine.kv.radix and engine.kv.radix.evict(engine.pool.num_pages)  # cold cache each repeat
         rs = engine.chat(convs, params)
-        return sum(len(r.token_ids) for r in rs)
+        return sum(len(r.token_ids) for r in rs), None
 
-    ours()  # warm-up (allocations, first-call overheads)
-    ours_runs = [timed(ours) for _ in range(args.repeats)]
-    ours_tps = median([n / t for t, n in ours_runs])
-    print(f"ours: {ours_runs[0][1]} output tokens; tokens/s per repeat: "
-          f"{[round(n / t, 1) for t, n in ours_runs]}; median {ours_tps:.1f}")
-    result = {"workload": vars(args), "ours_tokens_per_s": ours_tps,
-              "ours_runs": [{"seconds": t, "tokens": n} for t, n in ours_runs]}
+    systems = {"ours": (ours, True)}
     if not args.skip_hf:
-        hf_go = run_hf(engine.model_path, engine.tokenizer, convs, args.max_tokens, args.hf_batch)
-        hf_runs = [timed(hf_go) for _ in range(args.repeats)]
-        hf_tps = median([n / t for t, n in hf_runs])
-        print(f"hf generate (static batches of {args.hf_batch}): tokens/s per repeat: "
-              f"{[round(n / t, 1) for t, n in hf_runs]}; median {hf_tps:.1f}")
-        print(f"ratio ours / hf: {ours_tps / hf_tps:.2f}x")
-        result.update(hf_tokens_per_s=hf_tps, ratio=ours_tps / hf_tps,
-                      hf_runs=[{"seconds": t, "tokens": n} for t, n in hf_runs])
+        systems["hf"] = (run_hf(engine.model_path, engine.tokenizer, convs, args.max_tokens, args.hf_batch), False)
+    m = measure_rounds(systems, args.repeats)
+    print(f"ours: {m['ours']['output_tokens']} output tokens; median {m['ours']['tokens_per_s']:.1f} tokens/s")
+    result = {"workload": vars(args), "ours_tokens_per_s": m["ours"]["tokens_per_s"], "ours_runs": m["ours"]}
+    if "hf" in m:
+        ratio = per_round(m["ours"]["tokens_per_s_runs"], m["hf"]["tokens_per_s_runs"])
+        print(f"hf generate (static batches of {args.hf_batch}): median {m['hf']['tokens_per_s']:.1f} tokens/s")
+        print(f"ratio ours / hf: {ratio:.2f}x (median of per-round ratios)")
+        result.update(hf_tokens_per_s=m["hf"]["tokens_per_s"], ratio=ratio, hf_runs=m["hf"])
     print("machine:", machine())
     print("saved", save("throughput", result))
 
