@@ -3,12 +3,13 @@
 One prompt of about --lengths tokens (default 512, 1024 and 2048), max_tokens 1, greedy, cold
 prefix cache: the time is the prefill (chunked in our engine, one forward in HF's) plus one
 sampled token. Same model, dtype and torch thread count for both. A third column runs our
-engine with the long-chunk attention forced onto the batched torch.bmm GEMMs (what fp32 on
-CPU used before the per-head oneDNN path, kernels/long_chunks.py), to show what that path
-is worth. Systems run interleaved, once per round; times are medians over --repeats rounds,
+engine with the long-chunk attention forced onto the batched torch.bmm GEMMs (what the CPU
+used before the per-head oneDNN path, kernels/long_chunks.py), to show what that path is
+worth. Systems run interleaved, once per round; times are medians over --repeats rounds,
 ratios medians of the per-round ratios.
 
-    python benchmarks/prefill.py [--repeats 5] [--lengths 512 1024 2048] [--threads 2] [--skip-hf]
+    python benchmarks/prefill.py [--repeats 5] [--lengths 512 1024 2048] [--threads 2]
+                                 [--dtype float32|bfloat16] [--skip-hf]
 """
 from __future__ import annotations
 
@@ -41,11 +42,12 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    engine = Engine(model=args.model, num_threads=args.threads)
+    engine = Engine(model=args.model, num_threads=args.threads, dtype=args.dtype)
     tok = engine.tokenizer
     params = SamplingParams(max_tokens=1)
     per_head = long_chunks.per_head_onednn

@@ -8,12 +8,14 @@ hundred keys) that is 2-3x faster on CPU than torch's fused SDPA kernel, which t
 sequences. Chunks whose score matrix would be large go to SDPA (its flash kernel streams the
 keys and never holds the whole matrix). Layout of q and the page pool: see attention.py.
 
-fp32 on CPU goes one KV head at a time through oneDNN's matmul instead (``per_head``):
-torch.bmm runs MKL there, which takes a narrower code path on AMD CPUs (models/cpu_linear.py
-says more). On the project's 2-core AMD EPYC, a 256-query chunk over 400 keys takes 1.0 ms
-that way against 4.4 ms batched, 512 queries over 1024 keys 5.6 ms against 23 ms (31 ms in
-SDPA); chunks of up to ~100 queries take the same time either way. One head at a time also
-bounds the score memory by one head's matrix, so larger chunks stay on the GEMM path.
+On CPU (fp32 and bf16), chunks from a moderate size go one KV head at a time through
+oneDNN's matmul instead (``per_head``): fp32 torch.bmm runs MKL, which takes a narrower code
+path on AMD CPUs (models/cpu_linear.py says more), and both dtypes' batched GEMMs fall off a
+cliff past ~128 queries. On the project's 2-core AMD EPYC, a 256-query chunk over 400 keys
+takes 1.0 ms per layer that way against 4.4 ms batched (bf16: 1.3 against 4.6 ms), 512
+queries over 1024 keys 5.6 ms against 23 ms (31 ms in SDPA), and in bf16 512 over 2048 keys
+15 ms against 75 ms in SDPA. Chunks of up to ~100 queries are faster batched. One head at a
+time also bounds the score memory by one head's matrix, so larger chunks stay on GEMMs.
 """
 from __future__ import annotations
 
@@ -34,18 +36,19 @@ if TYPE_CHECKING:
 # Scores ([Hkv, n*G, L] floats) up to this many elements use the batched GEMM path: 4M fp32 = 16 MiB.
 MAX_GEMM_SCORES = 1 << 22
 # The per-head path holds one head's [n*G, L] scores at a time: up to 8M fp32 = 32 MiB. It
-# takes chunks from 64K scores per head: below, the batched GEMMs are as fast (measured: 100
-# queries over 200 keys, 60K, the same; 128 over 228, 88K, 1.2x faster per head; 160 over
-# 260, 3x, where MKL's batched GEMM falls off a cliff).
+# takes chunks from 64K scores per head: below, the batched GEMMs are as fast or faster
+# (measured, fp32: 100 queries over 200 keys, 60K, the same; 128 over 228, 88K, 1.2x faster
+# per head; 160 over 260, 3x. bf16: 1.4x slower per head at 60K, 2.4x faster at 88K).
 MAX_HEAD_SCORES = 1 << 23
 MIN_HEAD_SCORES = 1 << 16
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def per_head_onednn(dtype: torch.dtype, device: torch.device) -> bool:
-    """fp32 on CPU: the per-head oneDNN path (CONSTRAINED_SERVE_CPU_LINEAR=torch turns it off,
-    as it does the prepacked linears)."""
-    return (device.type == "cpu" and dtype == torch.float32 and _HAS_ONEDNN
+    """fp32 and bf16 on CPU: the per-head oneDNN path (CONSTRAINED_SERVE_CPU_LINEAR=torch
+    turns it off, as it does the prepacked linears; fp16 has no fast oneDNN path without
+    avx512_fp16)."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _HAS_ONEDNN
             and os.environ.get("CONSTRAINED_SERVE_CPU_LINEAR", "onednn") != "torch")
 
 
@@ -59,7 +62,7 @@ class _LongChunk:
     # Additive fp32 [n*G, L] mask (0 visible, -inf hidden) for the GEMM path; None: SDPA with bool_mask.
     bias: torch.Tensor | None
     bool_mask: torch.Tensor | None
-    per_head: bool  # GEMM path one KV head at a time through oneDNN (fp32 on CPU)
+    per_head: bool  # GEMM path one KV head at a time through oneDNN (CPU)
     buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
 
 
