@@ -68,6 +68,7 @@ def test_long_prefill_chunks_match_hf(tiny_llama_dir, default_tokenizer, monkeyp
     """Prefill chunks of 200 tokens over up to 400 keys take the per-head oneDNN attention
     (fp32 on CPU, kernels/long_chunks.py); the logits still equal HF's."""
     calls = []
+    monkeypatch.setattr(long_chunks, "HEAD_BLOCK_ROWS", 96)  # several causal blocks per chunk
     per_head = long_chunks._attend_per_head
     monkeypatch.setattr(long_chunks, "_attend_per_head", lambda *a: calls.append(1) or per_head(*a))
     prompts = [" ".join(f"item{i} costs {i % 17} euros" for i in range(n)) for n in (60, 75)]
