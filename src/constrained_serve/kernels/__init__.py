@@ -9,6 +9,7 @@
   top-k/top-p/min-p, seeded Gumbel draw).
 - norm.py: rms_norm_{torch,triton} (+ residual), rotary_{torch,triton}.
 - dispatch.py: picks Triton on CUDA, the references elsewhere (CONSTRAINED_SERVE_KERNELS).
+- onednn.py: oneDNN matmuls on CPU (the prepacked projections and the per-head prefill attention).
 
 Triton is optional: without it every ``*_triton`` raises and dispatch uses the references.
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (that is how the tests check them).

@@ -19,13 +19,13 @@ time also bounds the score memory by one head's matrix, so larger chunks stay on
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from . import onednn
 from .kv_layout import gather_heads
 from .masking import additive_mask, masked_softmax, visible_keys
 from .short_rows import SHORT_CHUNK
@@ -46,15 +46,13 @@ MIN_HEAD_SCORES = 1 << 16
 # 1536 rows) took 6.5-9 ms in blocks of 384-768 rows against 18-22 ms in one block (same
 # run; this VM's absolute times drift a lot).
 HEAD_BLOCK_ROWS = 512
-_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def per_head_onednn(dtype: torch.dtype, device: torch.device) -> bool:
     """fp32 and bf16 on CPU: the per-head oneDNN path (CONSTRAINED_SERVE_CPU_LINEAR=torch
     turns it off, as it does the prepacked linears; fp16 has no fast oneDNN path without
     avx512_fp16)."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _HAS_ONEDNN
-            and os.environ.get("CONSTRAINED_SERVE_CPU_LINEAR", "onednn") != "torch")
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn.enabled()
 
 
 @dataclass
@@ -72,7 +70,7 @@ class _LongChunk:
 
 
 def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, device,
-                dtype: torch.dtype = torch.float32) -> list[_LongChunk]:
+                dtype: torch.dtype) -> list[_LongChunk]:
     """Plan every long chunk of the step once (cached on meta)."""
     per_head = per_head_onednn(dtype, torch.device(device))
     key = ("long", page_size, hkv, group, per_head)
@@ -119,11 +117,6 @@ def attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
     out[c.start:c.end] = o.view(hkv, n, group, d).transpose(0, 1).reshape(n, hq, d)
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T through oneDNN (w used as a dense linear weight, any strides)."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-
 def _attend_per_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
                      out: torch.Tensor) -> None:
     """q, out: [n, Hkv, G, D]; k, v: [Hkv, L, D]. Per KV head: its G query heads folded into
@@ -138,6 +131,6 @@ def _attend_per_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         for s in range(0, rows, HEAD_BLOCK_ROWS):
             e = min(rows, s + HEAD_BLOCK_ROWS)
             seen = L - n + (e - 1) // group + 1  # row r is query r // G, at position L - n + r // G
-            scores = _mm(qh[s:e], k[h, :seen])
-            oh[s:e] = _mm(masked_softmax(scores, scale, bias[s:e, :seen], q.dtype), v[h, :seen].t())
+            scores = onednn.linear(qh[s:e], k[h, :seen])
+            oh[s:e] = onednn.linear(masked_softmax(scores, scale, bias[s:e, :seen], q.dtype), v[h, :seen].t())
         out[:, h] = oh.view(n, group, d)

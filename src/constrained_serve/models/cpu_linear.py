@@ -15,10 +15,11 @@ emulates it). ``CONSTRAINED_SERVE_CPU_LINEAR=torch`` turns this off.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
+
+from ..kernels import onednn
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        return onednn.linear(x.contiguous(), self.packed_weight, self.bias)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -53,9 +54,7 @@ class PackedLinear(nn.Module):
 def should_pack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
-    if os.environ.get("CONSTRAINED_SERVE_CPU_LINEAR", "onednn") == "torch":
-        return False
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return onednn.enabled()
 
 
 def pack_linears(model: nn.Module) -> int:
