@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: workloads, machine description, medians, result files."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -32,6 +33,23 @@ def chat_workload(n: int = 64, seed: int = 0) -> list[list[dict]]:
         msg = f"A customer wrote to us about {topic}. {details} {rng.choice(ASKS)}"
         out.append([{"role": "user", "content": msg}])
     return out
+
+
+def engine_parser(doc: str, *, repeats: int, n: int | None = None, max_tokens: int | None = None,
+                  dtype: bool = False) -> argparse.ArgumentParser:
+    """The options the CPU benchmarks of the engine share: --model, --repeats, --threads, and
+    where given, the workload size (--n, --max-tokens) and --dtype."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2)")
+    ap.add_argument("--repeats", type=int, default=repeats, help="rounds; figures are medians over them")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    if n is not None:
+        ap.add_argument("--n", type=int, default=n, help="requests")
+    if max_tokens is not None:
+        ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    if dtype:
+        ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    return ap
 
 
 def machine() -> dict:

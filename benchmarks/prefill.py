@@ -13,14 +13,13 @@ ratios medians of the per-round ratios.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, measure_rounds, per_round, save  # noqa: E402
+from common import engine_parser, machine, measure_rounds, per_round, save  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from constrained_serve.kernels import long_chunks  # noqa: E402
@@ -37,12 +36,8 @@ def prompt_of(tokenizer, n_tokens: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
+    ap = engine_parser(__doc__, repeats=5, dtype=True)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -10,13 +10,12 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, median, save  # noqa: E402
+from common import engine_parser, machine, median, save  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from constrained_serve.request import Request  # noqa: E402
@@ -75,11 +74,7 @@ def shared_instruction(engine_on: Engine, engine_off: Engine, n: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--n", type=int, default=64)
+    ap = engine_parser(__doc__, repeats=3, n=64)
     args = ap.parse_args()
     on = Engine(model=args.model, num_threads=args.threads)
     off = Engine(model=args.model, num_threads=args.threads, enable_prefix_cache=False)

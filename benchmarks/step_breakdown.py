@@ -23,7 +23,6 @@ the (a)/(b) output-tokens/s ratio that would follow if the prefill-heavy steps r
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, save, timed  # noqa: E402
+from common import engine_parser, median, save, timed  # noqa: E402
 from structured import run_ours, workload  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
@@ -116,13 +115,10 @@ def split(steps) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap = engine_parser(__doc__, repeats=7, dtype=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine(num_threads=args.threads, max_num_seqs=64, dtype=args.dtype)
+    engine = Engine(model=args.model, num_threads=args.threads, max_num_seqs=64, dtype=args.dtype)
     convs = workload(64)
     record(engine, convs, True)  # warm-up: grammar compile, oneDNN primitives
     wall_a, tokens_a, steps_a = record(engine, convs, True)

@@ -22,7 +22,6 @@ the GEMMs on CPUs with avx512_bf16 or AMX, for HF and Outlines too).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -32,7 +31,7 @@ import jsonschema
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, measure_rounds, per_round, save  # noqa: E402
+from common import engine_parser, machine, measure_rounds, per_round, save  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 
@@ -175,14 +174,8 @@ def run_outlines(model_dir, tok, convs, max_tokens, batch, dtype):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--n", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap = engine_parser(__doc__, repeats=2, n=64, max_tokens=96, dtype=True)
+    ap.add_argument("--batch", type=int, default=16, help="static batch size of HF and Outlines")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-outlines", action="store_true")
     args = ap.parse_args()

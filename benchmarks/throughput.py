@@ -9,14 +9,13 @@ output tokens/s of each (medians over --repeats rounds) and the median per-round
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import chat_workload, machine, measure_rounds, per_round, save  # noqa: E402
+from common import chat_workload, engine_parser, machine, measure_rounds, per_round, save  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 
@@ -46,12 +45,7 @@ def run_hf(model_dir, tokenizer, convs, max_tokens, batch_size):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--n", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = engine_parser(__doc__, repeats=3, n=64, max_tokens=96)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
