@@ -203,6 +203,26 @@ def test_strict_refuses_approximation(manager, backend, caplog):
     assert compiled.warnings and "uniqueItems" in caplog.text
 
 
+# oneOf that anyOf would approximate: integer and number branches overlap (5 matches both);
+# the second hides its oneOf where only a $ref reaches it (no "definitions/<name>" schema).
+OVERLAPPING_ONE_OF = [
+    {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+    {"definitions": {"a": {"b": {"oneOf": [{"$ref": "#/definitions/c"}, {"type": "array"}]}},
+                     "c": {"type": "string"}},
+     "type": "object", "properties": {"x": {"$ref": "#/definitions/a/b"}}},
+]
+
+
+@pytest.mark.parametrize("schema", OVERLAPPING_ONE_OF)
+def test_strict_refuses_overlapping_one_of(manager, backend, schema):
+    with pytest.raises(GrammarError, match="oneOf"):
+        manager.compile(make_output_spec(schema=schema), backend)
+    assert manager.compile(make_output_spec(schema=schema, strict=False), backend).warnings
+    # Branches of disjoint types are exact either way.
+    exact = {"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}
+    assert not manager.compile(make_output_spec(schema=exact), backend).warnings
+
+
 def test_whitespace_flag(manager, backend, tokenizer):
     text = '{ "name" : "a",\n "age": 1 }'
     assert not run(manager, backend, tokenizer, {"schema": PERSON}, text)[0]

@@ -11,6 +11,7 @@ import logging
 import re
 import time
 from typing import Any, Sequence
+from urllib.parse import unquote
 
 import torch
 import xgrammar as xgr
@@ -41,11 +42,16 @@ _SCHEMA_VALUES = ("additionalProperties", "additionalItems", "propertyNames", "c
 _UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|\\[1-9]|\\k<")
 
 
-def unsupported_schema_features(schema: Any, path: str = "#") -> list[str]:
-    """Where ``schema`` uses a feature xgrammar would silently drop or approximate."""
+def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
+                                seen: set[str] | None = None) -> list[str]:
+    """Where ``schema`` uses a feature xgrammar would silently drop or approximate. Local
+    ``$ref``s are followed (each target once), so subschemas kept outside the usual places
+    (``#/definitions/a/b``) are checked too."""
     found: list[str] = []
     if not isinstance(schema, dict):
         return found
+    root = schema if root is None else root
+    seen = set() if seen is None else seen
     for key in _IGNORED_KEYWORDS & schema.keys():
         found.append(f"{path}/{key}")
     if schema.get("uniqueItems") is True:
@@ -56,7 +62,9 @@ def unsupported_schema_features(schema: Any, path: str = "#") -> list[str]:
     if isinstance(one_of, list) and len(one_of) > 1:
         # xgrammar treats oneOf as anyOf: exact only when the branches are disjoint by type.
         types = [b.get("type") if isinstance(b, dict) else None for b in one_of]
-        if not all(isinstance(t, str) for t in types) or len(set(types)) != len(types):
+        # Every integer is also a number: those two branches overlap.
+        if (not all(isinstance(t, str) for t in types) or len(set(types)) != len(types)
+                or {"integer", "number"} <= set(types)):
             found.append(f"{path}/oneOf (treated as anyOf)")
     # Combinations xgrammar 0.2.9 logs as "ignoring ..." (to stderr, which we cannot read).
     if "multipleOf" in schema:
@@ -69,6 +77,9 @@ def unsupported_schema_features(schema: Any, path: str = "#") -> list[str]:
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         found.append(f"{path}/$ref {ref!r} (not local)")
+    elif isinstance(ref, str) and ref not in seen:
+        seen.add(ref)
+        found += unsupported_schema_features(_resolve_pointer(root, ref), ref, root, seen)
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in _FORMATS:
         found.append(f"{path}/format {fmt!r}")
@@ -79,20 +90,35 @@ def unsupported_schema_features(schema: Any, path: str = "#") -> list[str]:
         sub = schema.get(key)
         if isinstance(sub, dict):
             for name, s in sub.items():
-                found += unsupported_schema_features(s, f"{path}/{key}/{name}")
+                found += unsupported_schema_features(s, f"{path}/{key}/{name}", root, seen)
     for key in _SCHEMA_LISTS:
         sub = schema.get(key)
         if isinstance(sub, list):
             for i, s in enumerate(sub):
-                found += unsupported_schema_features(s, f"{path}/{key}/{i}")
+                found += unsupported_schema_features(s, f"{path}/{key}/{i}", root, seen)
     for key in _SCHEMA_VALUES:
         sub = schema.get(key)
         if isinstance(sub, list):  # draft-7 tuple "items"
             for i, s in enumerate(sub):
-                found += unsupported_schema_features(s, f"{path}/{key}/{i}")
+                found += unsupported_schema_features(s, f"{path}/{key}/{i}", root, seen)
         else:
-            found += unsupported_schema_features(sub, f"{path}/{key}")
+            found += unsupported_schema_features(sub, f"{path}/{key}", root, seen)
     return found
+
+
+def _resolve_pointer(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` ("#/a/b~1c") points at; None when it points nowhere
+    (xgrammar's compile reports a dangling reference itself)."""
+    node = root
+    for part in ref[1:].split("/")[1:] if ref.startswith("#/") else []:
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -189,7 +215,7 @@ class XGrammarBackend(GrammarBackend):
         warnings: list[str] = []
         if spec.kind == "json_schema":
             schema = json.loads(spec.text)
-            warnings = unsupported_schema_features(schema)
+            warnings = list(dict.fromkeys(unsupported_schema_features(schema)))  # a $ref'd part once
             if warnings:
                 msg = "ignores " + ", ".join(warnings)
                 if spec.strict:
