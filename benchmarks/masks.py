@@ -19,11 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import conformance as C  # noqa: E402
+from common import save  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def summary(xs: list[float]) -> dict:
+    return {"mean": statistics.fmean(xs), "p50": pct(xs, .5), "p99": pct(xs, .99), "max": max(xs)}
 
 
 def bench(backend_name: str, files: list[Path], tok) -> dict:
@@ -81,7 +86,7 @@ def main() -> None:
         step = len(files) / args.limit
         files = [files[int(i * step)] for i in range(args.limit)]
     tok = C.load_default_tokenizer()
-    rows = []
+    rows, res = [], {"args": vars(args), "schema_files": len(files)}
     for name in args.backend or C.BACKENDS:
         t0 = time.perf_counter()
         r = bench(name, files, tok)
@@ -96,6 +101,9 @@ def main() -> None:
         print(f"{name:<11} {len(f):7d} {statistics.fmean(f):9.1f} {pct(f, .5):7.1f} {pct(f, .99):8.1f} {max(f):9.1f}"
               f" {pct(first, .5):8.1f} | {len(c):8d} {statistics.fmean(c):12.2f} {pct(c, .5):7.2f}"
               f" {pct(c, .99):8.2f} {max(c):8.1f} | {wall:.0f}")
+        res[name] = {"tokens": len(f), "fill_us": summary(f), "first_fill_us_p50": pct(first, .5),
+                     "compiled": len(c), "failed": r["failed"], "compile_ms": summary(c), "wall_s": wall}
+    print("saved", save("masks", res))
 
 
 if __name__ == "__main__":
