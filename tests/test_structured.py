@@ -127,6 +127,18 @@ def test_bad_per_prompt_spec_fails_alone(tiny_engine_factory):
     assert rs[2].error is None
 
 
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_dead_end_in_a_grammar_aborts_that_request_with_the_reason(tiny_engine_factory, backend):
+    # "a" is forced, then the rule b matches nothing: the mask allows only EOS, which the
+    # grammar does not accept. That request ends with a GrammarError saying so; the rest run.
+    eng = tiny_engine_factory(grammar_backend=backend)
+    dead = 'start: "a" b\nb: /[^\\s\\S]/\n'
+    rs = eng.generate(["x", "y"], SamplingParams(max_tokens=8), grammar=[dead, None])
+    assert rs[0].finish_reason == "abort" and rs[0].error_type == "GrammarError"
+    assert "cannot be completed" in rs[0].error and "'a'" in rs[0].error, rs[0].error
+    assert rs[1].error is None and rs[1].finish_reason == "length"
+
+
 def test_overlapped_and_synchronous_loops_give_identical_tokens(tiny_engine_factory):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "n": {"type": "integer"}, "ok": {"type": "boolean"}},

@@ -160,14 +160,25 @@ class EngineCore:
             r = c.request
             r.token_ids.append(tok)
             if r.matcher is not None and not r.matcher.accept_tokens([tok]):
+                why = self._rejection_message(r, tok)
                 self._emit(r, [tok])
-                self.abort(r, "abort", f"grammar rejected sampled token {tok}", "GrammarError")
+                self.abort(r, "abort", why, "GrammarError")
                 continue
             self._emit(r, [tok])
             if self._check_stop(r, [tok]):
                 continue
             self._fast_forward(r)
             self._check_stop(r, [])
+
+    def _rejection_message(self, r: Request, tok: int) -> str:
+        """Why the matcher refused a token sampled under its own mask: usually a dead end in
+        the spec (a grammar that matches nothing from here on), where the mask allowed only
+        EOS. A refused token leaves the matcher's state as it was."""
+        if self.grammar.backend(r.matcher.backend_name).dead_end(r.matcher):
+            kind = r.spec.kind if r.spec is not None else "grammar"
+            return (f"the {kind} spec allows no token after {r.num_output - 1} output tokens "
+                    f"({r.detok.text[-40:]!r}) and does not accept them: it cannot be completed")
+        return f"grammar rejected sampled token {tok}, which its own mask allowed"
 
     def _emit(self, r: Request, toks: list[int]) -> None:
         delta = r.detok.push(toks)

@@ -223,6 +223,15 @@ def test_strict_refuses_overlapping_one_of(manager, backend, schema):
     assert not manager.compile(make_output_spec(schema=exact), backend).warnings
 
 
+def test_spec_that_matches_nothing_is_refused_at_compile(manager, backend):
+    # Compiles in both engines, but no text matches it: refused when compiled (at submit),
+    # not left to abort mid-batch.
+    with pytest.raises(GrammarError, match="matches no text"):
+        manager.compile(make_output_spec(regex=r"[^\s\S]"), backend)
+    manager.compile(make_output_spec(regex="a*"), backend)  # the empty text matches: fine
+    assert manager.compile(make_output_spec(schema=True), backend)  # any JSON value
+
+
 def test_whitespace_flag(manager, backend, tokenizer):
     text = '{ "name" : "a",\n "age": 1 }'
     assert not run(manager, backend, tokenizer, {"schema": PERSON}, text)[0]

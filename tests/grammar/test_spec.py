@@ -33,6 +33,12 @@ def test_schema_forms_share_canonical_text():
     assert s1.text == '{"properties":{"b":{"type":"integer"},"a":{"type":"string"}},"required":["a"],"type":"object"}'
 
 
+def test_schema_true_is_any_json_value():
+    # JSON Schema's boolean schema true accepts every value, as {} does (the backends take {}).
+    assert make_output_spec(schema=True) == make_output_spec(schema="true") == make_output_spec(schema={})
+    assert make_output_spec(schema=True).text == "{}"
+
+
 def test_pydantic_types_and_parse():
     spec = make_output_spec(schema=Person)
     assert spec.python_type is Person and list(json.loads(spec.text)["properties"]) == ["name", "age"]
@@ -74,6 +80,9 @@ def test_other_kinds():
     ({"choices": []}, "choices"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"schema": False}, "matches no JSON value"),
+    ({"schema": "false"}, "matches no JSON value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": False}}}, "matches no JSON value"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, word):
     with pytest.raises(GrammarError, match=word):

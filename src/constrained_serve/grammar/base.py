@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..kernels.sampling import unpack_bitmask
 from ..params import OutputSpec
 
 __all__ = ["CompiledGrammar", "GrammarBackend", "GrammarMatcher", "bitmask_width"]
@@ -91,6 +92,18 @@ class GrammarBackend(abc.ABC):
     @abc.abstractmethod
     def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""
+
+    def dead_end(self, matcher: GrammarMatcher) -> bool:
+        """The matcher can neither go on nor stop: its mask allows no token but EOS (the
+        backends' way out of a dead state), yet what it has read is not a complete match.
+        A spec whose start is a dead end matches no text at all."""
+        if matcher.can_end():
+            return False
+        row = torch.full((1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        matcher.fill_bitmask(row, 0)
+        allowed = unpack_bitmask(row, self.vocab_size)[0]
+        allowed[[t for t in self.eos_token_ids if t < self.vocab_size]] = False
+        return not bool(allowed.any())
 
     def fill_bitmasks(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
         """Fill several rows. Backends override this with a GIL-free parallel fill."""

@@ -126,7 +126,13 @@ class GrammarManager:
 
             def work() -> None:
                 try:
-                    box["ok"] = b.compile(spec)
+                    compiled = b.compile(spec)
+                    # Refused at submit like any bad spec, rather than aborting mid-batch.
+                    if b.dead_end(b.new_matcher(compiled)):
+                        raise GrammarError(f"{name}: the {spec.kind} spec matches no text at all "
+                                           f"(nothing can be generated from its start)",
+                                           backend=name, reason="matches no text")
+                    box["ok"] = compiled
                 except BaseException as e:  # surfaced below, in the caller's future
                     box["err"] = e
 

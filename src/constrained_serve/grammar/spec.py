@@ -87,6 +87,16 @@ def _normalize_schema(schema: Any, arg: str) -> tuple[dict | bool, Any]:
     return _schema_from_type(schema)
 
 
+def _boolean_schema(value: dict | bool, arg: str) -> dict:
+    """The boolean schemas of JSON Schema: ``true`` accepts any JSON value, the same as
+    ``{}`` (which the backends take); ``false`` accepts none."""
+    if value is True:
+        return {}
+    if value is False:
+        raise GrammarError(f"{arg}: the schema false matches no JSON value", reason="matches no text")
+    return value
+
+
 def make_output_spec(
     *,
     schema: Any = None,
@@ -111,7 +121,7 @@ def make_output_spec(
         return _from_response_format(response_format, common)
     if schema is not None:
         value, tp = _normalize_schema(schema, "schema")
-        return OutputSpec("json_schema", canonical_json(value), python_type=tp, **common)
+        return OutputSpec("json_schema", canonical_json(_boolean_schema(value, "schema")), python_type=tp, **common)
     if regex is not None:
         if not isinstance(regex, str) or not regex:
             raise GrammarError(f"regex: expected a non-empty string, got {regex!r}")
@@ -144,8 +154,9 @@ def _from_response_format(rf: Mapping[str, Any], common: dict) -> OutputSpec | N
         js = rf.get("json_schema")
         if not isinstance(js, Mapping) or "schema" not in js:
             raise GrammarError("response_format: 'json_schema' needs {'json_schema': {'schema': {...}}}")
-        value, tp = _normalize_schema(js["schema"], "response_format.json_schema.schema")
-        return OutputSpec("json_schema", canonical_json(value), python_type=tp, **common)
+        arg = "response_format.json_schema.schema"
+        value, tp = _normalize_schema(js["schema"], arg)
+        return OutputSpec("json_schema", canonical_json(_boolean_schema(value, arg)), python_type=tp, **common)
     raise GrammarError(f"response_format: unknown type {kind!r} (expected json_schema, json_object or text)")
 
 
