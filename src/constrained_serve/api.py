@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -27,6 +28,13 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def _done(x: Request | Result) -> bool:
+    """An entry of a call's pending queue that can be handed back: an error Result, or a
+    finished request."""
+    return isinstance(x, Result) or x.finished
+
 
 Messages = list[dict[str, Any]]
 _SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
@@ -63,6 +71,10 @@ class Engine:
                                grammar=None, overlap=cfg.overlap, fast_forward=cfg.fast_forward)
         self._rng = random.Random(cfg.seed)
         self._grammar = None
+        # One thread at a time drives the core (adds, steps, aborts). Calls from several
+        # threads still share batches: every step advances every caller's requests, and each
+        # caller only waits for its own to finish.
+        self._core_lock = threading.RLock()
         logger.info("engine ready: %s on %s (%s), %d KV pages of %d tokens", self.model_path, dev,
                     self.dtype, num_pages, cfg.page_size)
 
@@ -95,15 +107,16 @@ class Engine:
     @property
     def grammar(self):
         """The GrammarManager, created on first use (building the token tables takes a moment)."""
-        if self._grammar is None:
-            from .grammar.manager import GrammarManager
+        with self._core_lock:
+            if self._grammar is None:
+                from .grammar.manager import GrammarManager
 
-            self._grammar = GrammarManager(self.tokenizer, self.vocab_size,
-                                           default_backend=self.config.grammar_backend,
-                                           eos_token_ids=sorted(self.core.eos_token_ids),
-                                           mask_threads=1 if self.device.type == "cpu" else None)
-            self.core.grammar = self._grammar
-        return self._grammar
+                self._grammar = GrammarManager(self.tokenizer, self.vocab_size,
+                                               default_backend=self.config.grammar_backend,
+                                               eos_token_ids=sorted(self.core.eos_token_ids),
+                                               mask_threads=1 if self.device.type == "cpu" else None)
+                self.core.grammar = self._grammar
+            return self._grammar
 
     # ------------------------------------------------------------------ inputs
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -273,10 +286,11 @@ class Engine:
                             raise
                         pending.append((i, item, self._error_result(i, e, item)))
                         continue
-                    self.core.add(r)
+                    with self._core_lock:
+                        self.core.add(r)
                     pending.append((i, item, r))
                 # Yield finished heads in order, then step.
-                while pending and (isinstance(pending[0][2], Result) or pending[0][2].finished):
+                while pending and _done(pending[0][2]):
                     i, item, x = pending.popleft()
                     res = x if isinstance(x, Result) else self._result(x, item, raise_on_error)
                     if bar is not None:
@@ -284,15 +298,17 @@ class Engine:
                     yield res
                 if not pending and exhausted:
                     return
-                if self.core.has_work():
-                    self.core.step()
+                with self._core_lock:  # another thread's step may have finished ours meanwhile
+                    if self.core.has_work() and not (pending and _done(pending[0][2])):
+                        self.core.step()
         finally:
             if bar is not None:
                 bar.close()
-            for _, _, x in pending:  # the caller stopped early: free what is still running
-                if isinstance(x, Request) and not x.finished:
-                    self.core.abort(x)
-            self.core._drain()
+            with self._core_lock:
+                for _, _, x in pending:  # the caller stopped early: free what is still running
+                    if isinstance(x, Request) and not x.finished:
+                        self.core.abort(x)
+                self.core._drain()
 
     @staticmethod
     def _params_per_item(items: Iterable[Any], params) -> Callable[[int], SamplingParams]:
@@ -328,20 +344,26 @@ class Engine:
         ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
         r = self._new_request(ids, params, spec, 0, backend)
         out: list[str] = []
-        r.on_delta = out.append
-        self.core.add(r)
+        r.on_delta = out.append  # called by whichever thread steps (list.append is atomic)
+        with self._core_lock:
+            self.core.add(r)
         try:
             while not r.finished:
-                self.core.step()
+                with self._core_lock:
+                    if not r.finished:
+                        self.core.step()
                 while out:
                     yield out.pop(0)
+            while out:
+                yield out.pop(0)
             tail = r.detok.flush()
             if tail:
                 yield tail
         finally:
-            if not r.finished:
-                self.core.abort(r)
-            self.core._drain()
+            with self._core_lock:
+                if not r.finished:
+                    self.core.abort(r)
+                self.core._drain()
 
     def conversation(self, system: str | None = None, params: SamplingParams | None = None):
         from .conversation import Conversation

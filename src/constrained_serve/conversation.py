@@ -31,7 +31,8 @@ class Conversation:
         self.pages: list[int] = []  # pages this conversation pins (one pool ref each)
         self._node = None
         self.closed = False
-        engine.core.page_holders.add(self)
+        with engine._core_lock:
+            engine.core.page_holders.add(self)
 
     # ------------------------------------------------------------------ turns
     def next_turn_ids(self, content: str) -> list[int]:
@@ -73,6 +74,10 @@ class Conversation:
     # ------------------------------------------------------------------ pinning
     def _pin(self) -> None:
         """Lock the cached history so eviction cannot take it while the conversation is open."""
+        with self.engine._core_lock:  # the radix tree and page refcounts are the core's
+            self._pin_locked()
+
+    def _pin_locked(self) -> None:
         self._unpin()
         kv = self.engine.kv
         if kv.radix is None:
@@ -90,15 +95,17 @@ class Conversation:
         self._node, self.pages = m.node, list(m.pages)
 
     def _unpin(self) -> None:
-        if self._node is not None:
-            self.engine.kv.radix.unlock(self._node)
-            self.engine.kv.pool.decref(self.pages)
-        self._node, self.pages = None, []
+        with self.engine._core_lock:
+            if self._node is not None:
+                self.engine.kv.radix.unlock(self._node)
+                self.engine.kv.pool.decref(self.pages)
+            self._node, self.pages = None, []
 
     def close(self) -> None:
         if not self.closed:
-            self._unpin()
-            self.engine.core.page_holders.discard(self)
+            with self.engine._core_lock:
+                self._unpin()
+                self.engine.core.page_holders.discard(self)
             self.closed = True
 
     def __enter__(self) -> "Conversation":
