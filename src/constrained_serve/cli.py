@@ -28,7 +28,8 @@ engine's own (e.g. prompt_too_long). --errors FILE sends error rows there.
 
 Rerunning with the same -o resumes: ids already in the output (or --errors file) are
 skipped, and a partial last line left by a crash is removed first. The id is the input's
---id-field, or the line number when a line has none.
+--id-field, or the line number when a line has none; such rows also carry "line", and
+resume tells them apart from an explicit id of the same number.
 """
 
 

@@ -60,11 +60,27 @@ class InputItem:
     id: Any  # the input's id field, or the 1-based line number when it has none
     messages: list[dict[str, str]] | None = None
     error: dict[str, str] | None = None
+    id_from_line: bool = False  # the line has no usable id of its own
+
+    @property
+    def key(self) -> str:
+        return f"line {self.line_no}" if self.id_from_line else row_key(self.id)
+
+    def row_head(self) -> dict[str, Any]:
+        """The first fields of this line's output row. A row whose id is its line number also
+        says so ("line"): its resume key is then the line, apart from every real id, so a
+        line with the explicit id 5 is not taken for the id-less line 5."""
+        return {"id": self.id, "line": self.line_no} if self.id_from_line else {"id": self.id}
 
 
 def row_key(row_id: Any) -> str:
     """Key of an id in the resume set. JSON text, so the id 1 and the id "1" stay distinct."""
     return json.dumps(row_id, sort_keys=True, ensure_ascii=False)
+
+
+def written_row_key(row: dict[str, Any]) -> str:
+    """The resume key of a row already in the output (see InputItem.row_head)."""
+    return f"line {row['line']}" if "line" in row else row_key(row["id"])
 
 
 _FIELD_NAME = re.compile(r"^[^\W\d][\w-]*$")
@@ -113,28 +129,32 @@ def _parse_line(raw: bytes, line_no: int, builder: PromptBuilder, id_field: str)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return InputItem(line_no, line_no, error=_err(INVALID_UTF8, f"line {line_no} is not valid UTF-8: {e}"))
+        return InputItem(line_no, line_no, error=_err(INVALID_UTF8, f"line {line_no} is not valid UTF-8: {e}"),
+                         id_from_line=True)
     if line_no == 1:
         text = text.lstrip("\ufeff")  # a byte-order mark some editors write
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        return InputItem(line_no, line_no, error=_err(INVALID_JSON, f"line {line_no} is not valid JSON: {e}"))
+        return InputItem(line_no, line_no, error=_err(INVALID_JSON, f"line {line_no} is not valid JSON: {e}"),
+                         id_from_line=True)
     if not isinstance(record, dict):
         kind = type(record).__name__
-        return InputItem(line_no, line_no, error=_err(NOT_OBJECT, f"line {line_no} is a JSON {kind}, not an object"))
+        return InputItem(line_no, line_no, error=_err(NOT_OBJECT, f"line {line_no} is a JSON {kind}, not an object"),
+                         id_from_line=True)
     row_id = record.get(id_field)
-    if row_id is None:
+    from_line = row_id is None
+    if from_line:
         row_id = line_no
     elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
         msg = f"line {line_no}: {id_field!r} must be a string or an integer, got {json.dumps(row_id)[:80]}"
-        return InputItem(line_no, line_no, error=_err(INVALID_ID, msg))
+        return InputItem(line_no, line_no, error=_err(INVALID_ID, msg), id_from_line=True)
     try:
         messages = builder.build(record)
     except KeyError as e:
         msg = f"line {line_no} has no field {e.args[0]!r} (or it is null)"
-        return InputItem(line_no, row_id, error=_err(MISSING_FIELD, msg))
-    return InputItem(line_no, row_id, messages=messages)
+        return InputItem(line_no, row_id, error=_err(MISSING_FIELD, msg), id_from_line=from_line)
+    return InputItem(line_no, row_id, messages=messages, id_from_line=from_line)
 
 
 def read_items(
@@ -155,7 +175,7 @@ def read_items(
         if not raw.strip():
             continue
         item = _parse_line(raw, line_no, builder, id_field)
-        if row_key(item.id) in done:
+        if item.key in done:
             if on_skip is not None:
                 on_skip(item)
             continue
@@ -201,7 +221,7 @@ def scan_and_repair(f: IO[bytes], path: str) -> tuple[set[str], int]:
             raise OutputFileError(f"{path}: line {line_no} is not a JSON row ({e}); not appending to it") from None
         if not isinstance(row, dict) or "id" not in row:
             raise OutputFileError(f"{path}: line {line_no} is not an output row (no 'id'); not appending to it")
-        keys.add(row_key(row["id"]))
+        keys.add(written_row_key(row))
         rows += 1
     f.truncate(good_end)
     f.seek(0, os.SEEK_END)
@@ -407,13 +427,13 @@ def run_extract(
     def flush_errors() -> None:
         while pending and pending[0].error is not None:
             item = pending.popleft()
-            emit({"id": item.id, "error": item.error})
+            emit({**item.row_head(), "error": item.error})
 
     results = engine.generate_iter(prompts(), params, chat=True, max_in_flight=max_in_flight, **spec)
     for result in results:
         flush_errors()
         item = pending.popleft()
-        emit(result_row(item.id, result, json_output=json_output))
+        emit({**item.row_head(), **result_row(item.id, result, json_output=json_output)})
     flush_errors()
     if pending:  # the engine returned fewer results than it was given prompts
         raise RuntimeError(f"engine returned no result for {len(pending)} input rows")

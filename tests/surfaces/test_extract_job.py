@@ -278,3 +278,22 @@ def test_run_extract_keeps_input_order_around_error_rows(max_in_flight: int) -> 
     assert [r["output"]["n"] for r in rows if "output" in r] == [1, 2, 3]
     assert len(engine.seen) == 3  # error lines never reach the engine
     assert (stats.ok, stats.failed) == (3, 5)
+
+
+def test_resume_tells_an_id_less_line_from_the_explicit_id_of_the_same_number(tmp_path) -> None:
+    """0-based ids and one broken line: the broken line 2 is written with id 2 (its line
+    number), and the line with the explicit id 2 comes later. A run killed in between must
+    not take that later line for done when it resumes."""
+    src = lines('{"id": 0, "text": "a"}', "oops", '{"id": 1, "text": "bb"}', '{"id": 2, "text": "ccc"}')
+    rows: list = []
+    run_extract(EchoEngine(), read_items(src, PromptBuilder()), rows.append, None, {}, json_output=True)
+    assert [(r["id"], r.get("line")) for r in rows] == [(0, None), (2, 2), (1, None), (2, None)]
+    out = str(tmp_path / "out.jsonl")
+    sinks = open_sinks(out)
+    for row in rows[:2]:  # killed after two rows
+        sinks.write(row)
+    sinks.close()
+    sinks = open_sinks(out)
+    todo = list(read_items(src, PromptBuilder(), done=sinks.done))
+    sinks.close()
+    assert [(it.line_no, it.id) for it in todo] == [(3, 1), (4, 2)]
