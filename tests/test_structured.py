@@ -8,7 +8,7 @@ from typing import Literal
 
 import jsonschema
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from constrained_serve import GrammarError, OutputError, SamplingParams
 
@@ -103,6 +103,24 @@ def test_truncation_is_flagged_never_repaired(default_engine):
     assert r.error_type == "truncated" and "truncated" in r.error
     with pytest.raises(OutputError, match="truncated"):
         default_engine.chat(msgs, SamplingParams(max_tokens=5), schema=Invoice, raise_on_error=True)
+
+
+class Refused(BaseModel):
+    flag: bool
+
+    @field_validator("flag")
+    @classmethod
+    def never(cls, v):  # a rule JSON Schema cannot carry into the grammar
+        raise ValueError("flag is never acceptable")
+
+
+def test_valid_json_refused_by_the_pydantic_type_keeps_its_json(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    [r] = eng.generate(["x"], SamplingParams(max_tokens=20), schema=Refused)
+    assert r.finish_reason == "stop" and isinstance(r.json, dict) and set(r.json) == {"flag"}
+    assert r.parsed is None and r.error_type == "OutputValidationError" and "never acceptable" in r.error
+    with pytest.raises(OutputError, match="never acceptable"):
+        eng.generate(["x"], SamplingParams(max_tokens=20), schema=Refused, raise_on_error=True)
 
 
 def test_bad_shared_schema_fails_at_submit_before_model_work(tiny_engine_factory):

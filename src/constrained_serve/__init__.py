@@ -12,12 +12,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 from .api import Engine
-from .errors import GrammarError, OutputError, PromptTooLongError
+from .errors import GrammarError, OutputError, OutputValidationError, PromptTooLongError
 from .params import OutputSpec, SamplingParams
 from .result import Result, Usage
 
-__all__ = ["Engine", "GrammarError", "OutputError", "PromptTooLongError", "OutputSpec", "Result",
-           "SamplingParams", "Usage", "generate", "default_engine", "__version__"]
+__all__ = ["Engine", "GrammarError", "OutputError", "OutputValidationError", "PromptTooLongError", "OutputSpec",
+           "Result", "SamplingParams", "Usage", "generate", "default_engine", "__version__"]
 
 _default_engine: Engine | None = None
 _default_lock = threading.Lock()

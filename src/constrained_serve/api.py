@@ -19,7 +19,7 @@ from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
 from .engine import EngineCore
-from .errors import GrammarError, OutputError, PromptTooLongError
+from .errors import GrammarError, OutputError, OutputValidationError, PromptTooLongError
 from .models import loader
 from .params import OutputSpec, SamplingParams
 from .request import Request
@@ -193,6 +193,8 @@ class Engine:
 
                 try:
                     res.json, res.parsed = parse_output(r.spec, text)
+                except OutputValidationError as e:  # valid JSON that the Pydantic type refuses
+                    res.json, res.error, res.error_type = e.value, str(e), type(e).__name__
                 except Exception as e:  # noqa: BLE001 - reported on the result, not raised mid-batch
                     res.error, res.error_type = f"output does not parse: {e}", type(e).__name__
         if raise_on_error and res.error is not None:

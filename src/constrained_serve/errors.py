@@ -25,3 +25,12 @@ class PromptTooLongError(ConstrainedServeError, ValueError):
 
 class OutputError(ConstrainedServeError, ValueError):
     """Raised by ``raise_on_error=True`` when an output is truncated or fails to parse."""
+
+
+class OutputValidationError(ConstrainedServeError, ValueError):
+    """A complete JSON output that the user's Pydantic type refuses (a validator, a
+    constraint JSON Schema cannot express). ``value`` holds the parsed JSON."""
+
+    def __init__(self, message: str, value: object):
+        super().__init__(message)
+        self.value = value

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from constrained_serve.errors import GrammarError
+from constrained_serve.errors import GrammarError, OutputValidationError
 from constrained_serve.grammar import make_output_spec, parse_output
 
 
@@ -51,10 +51,12 @@ def test_pydantic_types_and_parse():
     assert json.loads(make_output_spec(schema=int | None).text) == {"anyOf": [{"type": "integer"}, {"type": "null"}]}
     with pytest.raises(GrammarError, match="schema"):
         make_output_spec(schema=object())
-    with pytest.raises(ValueError):
+    with pytest.raises(OutputValidationError) as refused:  # valid JSON, refused by the type
         parse_output(spec, '{"name":"Ann"}')
-    with pytest.raises(ValueError):
+    assert refused.value.value == {"name": "Ann"}
+    with pytest.raises(ValueError) as bad:
         parse_output(spec, '{"name":')
+    assert not isinstance(bad.value, OutputValidationError)
 
 
 def test_other_kinds():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-from ..errors import GrammarError
+from ..errors import GrammarError, OutputValidationError
 from ..params import OutputSpec
 
 __all__ = ["make_output_spec", "parse_output", "canonical_json"]
@@ -161,7 +161,8 @@ def _from_response_format(rf: Mapping[str, Any], common: dict) -> OutputSpec | N
 
 
 def parse_output(spec: OutputSpec, text: str) -> tuple[Any, Any]:
-    """Return ``(json_value, parsed)``; for non-JSON kinds ``(None, text)``. ValueError on failure."""
+    """Return ``(json_value, parsed)``; for non-JSON kinds ``(None, text)``. ValueError on
+    failure: OutputValidationError (with the parsed JSON) when only the Python type refuses it."""
     if not spec.is_json:
         return None, text
     try:
@@ -174,5 +175,5 @@ def parse_output(spec: OutputSpec, text: str) -> tuple[Any, Any]:
 
     try:
         return value, TypeAdapter(spec.python_type).validate_python(value)
-    except ValidationError as e:  # already a ValueError; re-raise with context
-        raise ValueError(f"output does not validate as {spec.python_type!r}: {e}") from e
+    except ValidationError as e:  # the grammar holds the schema, not the type's validators
+        raise OutputValidationError(f"output does not validate as {spec.python_type!r}: {e}", value) from e
