@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from constrained_serve.grammar.spec import resolve_local_ref
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "jsonschemabench"
 BASELINE = ROOT / "tests" / "grammar" / "baseline_jsonschemabench.json"
@@ -49,18 +51,9 @@ def schema_files(limit: int | None = None) -> list[Path]:
 # -- serialization in schema property order --------------------------------------------
 def _resolve(schema: Any, root: Any, depth: int = 0) -> Any:
     while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 32:
-        ref = schema["$ref"]
-        if not ref.startswith("#"):
+        node = resolve_local_ref(root, schema["$ref"])
+        if node is None:
             return schema
-        node: Any = root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return schema
         schema, depth = node, depth + 1
     return schema
 

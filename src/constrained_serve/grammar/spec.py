@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 from typing import Any, Mapping, Sequence
+from urllib.parse import unquote
 
 from ..errors import GrammarError, OutputValidationError
 from ..params import OutputSpec
 
-__all__ = ["make_output_spec", "parse_output", "canonical_json"]
+__all__ = ["make_output_spec", "parse_output", "canonical_json", "resolve_local_ref"]
 
 _GRAMMAR_SYNTAXES = {"lark": "lark", "ebnf": "ebnf", "gbnf": "ebnf"}
 
@@ -32,6 +33,23 @@ def _canon(value: Any, keep_order: bool) -> Any:
     if isinstance(value, (list, tuple)):
         return [_canon(v, keep_order=False) for v in value]
     return value
+
+
+def resolve_local_ref(root: Any, ref: str) -> Any:
+    """The part of ``root`` a local ``$ref`` points at ("#", "#/$defs/a", "#/a~1b/0");
+    None for a pointer into nothing or a plain-name fragment ("#anchor")."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _schema_from_type(tp: Any) -> tuple[dict, Any]:

@@ -11,7 +11,6 @@ import logging
 import re
 import time
 from typing import Any, Sequence
-from urllib.parse import unquote
 
 import torch
 import xgrammar as xgr
@@ -19,6 +18,7 @@ import xgrammar as xgr
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
+from .spec import resolve_local_ref
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
         found.append(f"{path}/$ref {ref!r} (not local)")
     elif isinstance(ref, str) and ref not in seen:
         seen.add(ref)
-        found += unsupported_schema_features(_resolve_pointer(root, ref), ref, root, seen)
+        found += unsupported_schema_features(resolve_local_ref(root, ref), ref, root, seen)
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in _FORMATS:
         found.append(f"{path}/format {fmt!r}")
@@ -104,21 +104,6 @@ def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
         else:
             found += unsupported_schema_features(sub, f"{path}/{key}", root, seen)
     return found
-
-
-def _resolve_pointer(root: Any, ref: str) -> Any:
-    """The subschema a local ``$ref`` ("#/a/b~1c") points at; None when it points nowhere
-    (xgrammar's compile reports a dangling reference itself)."""
-    node = root
-    for part in ref[1:].split("/")[1:] if ref.startswith("#/") else []:
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 class XGrammarMatcher(GrammarMatcher):
