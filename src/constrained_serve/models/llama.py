@@ -3,7 +3,8 @@
 Selective batching: every linear, norm and MLP op runs on one flat [num_tokens, hidden]
 tensor holding all sequences of the step (prefill chunks and decode tokens mixed); only
 attention splits by sequence, over the paged KV cache. The LM head runs only on the rows
-that sample (``logits_indices``), never on every prompt token.
+that sample (``logits_indices``), never on every prompt token; so do the last layer's
+o_proj and MLP (the attention still stores every token's K/V).
 
 Weights use the Hugging Face names so HF checkpoints load as they are; q/k/v and gate/up
 are fused into one matmul each at load time (fewer, larger GEMMs are faster on CPU and GPU).
@@ -143,7 +144,8 @@ class Attention(nn.Module):
         self.scale = arch.head_dim ** -0.5
 
     def forward(self, x, cos_sin, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """keep: project only these rows' attention outputs (the last layer, see DecoderLayer)."""
         a = self.arch
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -155,8 +157,8 @@ class Attention(nn.Module):
         q, k = RotaryEmbedding.apply(cos_sin, q, k)
         k_cache, v_cache = kv_cache
         dispatch.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        o = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(T, self.q_size)
+        return self.o_proj(o if keep is None else o.index_select(0, keep))
 
 
 class MLP(nn.Module):
@@ -179,8 +181,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta, keep: torch.Tensor | None = None):
+        """keep (the last layer only): the rows that sample. Every row's K/V is stored, but
+        only these rows' hidden states are needed past the attention, so the o_proj and the
+        MLP run on them alone (llama.cpp does the same for the MLP)."""
+        h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, keep)
+        x = (x if keep is None else x.index_select(0, keep)) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -215,9 +221,11 @@ class LlamaModel(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.tables_for(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, kv, meta)
-        x = self.norm(x.index_select(0, logits_indices))  # only rows that sample
+        last = len(self.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            # The last layer carries on with the rows that sample only (in sampling order).
+            x = layer(x, cos_sin, kv, meta, logits_indices if i == last else None)
+        x = self.norm(x)
         if self.packed_head is not None:
             return self.packed_head(x).float()
         return F.linear(x, self.lm_head_weight()).float()
