@@ -54,6 +54,18 @@ def test_stop_strings_cut_the_text(tiny_engine_factory):
     assert r.finish_reason == "stop"
     assert stop not in r.text
     assert free.text.startswith(r.text)
+    # A stream shows exactly the result's text: never the stop string, nor what follows it.
+    assert "".join(eng.stream("Once upon", SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))) == r.text
+
+
+def test_cut_at_stop_holds_back_a_possible_stop_start():
+    from constrained_serve.detokenizer import cut_at_stop
+
+    assert cut_at_stop("Hello. World", ["."], final=False) == "Hello"
+    assert cut_at_stop("abc s ar", ["s are"], final=False) == "abc "  # "s ar" may become "s are"
+    assert cut_at_stop("abc s ar", ["s are"], final=True) == "abc s ar"
+    assert cut_at_stop("x END y END", ["END", "y"], final=True) == "x "  # the earliest stop wins
+    assert cut_at_stop("plain", [], final=False) == "plain"
 
 
 def test_stop_token_ids_and_max_tokens(tiny_engine_factory):

@@ -18,6 +18,7 @@ from .cache.manager import KVCacheManager
 from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
+from .detokenizer import cut_at_stop
 from .engine import EngineCore
 from .errors import GrammarError, OutputError, OutputValidationError, PromptTooLongError
 from .models import loader
@@ -174,11 +175,7 @@ class Engine:
     # ------------------------------------------------------------------ outputs
     def _result(self, r: Request, prompt: Any = None, raise_on_error: bool = False) -> Result:
         r.detok.flush()
-        text = r.detok.text
-        for s in r.params.stop:
-            i = text.find(s)
-            if i >= 0:
-                text = text[:i]
+        text = cut_at_stop(r.detok.text, r.params.stop, final=True)
         res = Result(text=text, token_ids=r.output_ids, finish_reason=r.finish_reason or "abort",
                      usage=Usage(prompt_tokens=r.num_prompt, cached_tokens=r.num_cached,
                                  completion_tokens=r.num_output, forced_tokens=r.num_forced),
@@ -345,22 +342,22 @@ class Engine:
             self.grammar.compile(spec, backend)
         ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
         r = self._new_request(ids, params, spec, 0, backend)
-        out: list[str] = []
-        r.on_delta = out.append  # called by whichever thread steps (list.append is atomic)
         with self._core_lock:
             self.core.add(r)
+        shown = 0  # characters of the output text already yielded
         try:
-            while not r.finished:
-                with self._core_lock:
+            while True:
+                with self._core_lock:  # another thread may be stepping: read the text here
                     if not r.finished:
                         self.core.step()
-                while out:
-                    yield out.pop(0)
-            while out:
-                yield out.pop(0)
-            tail = r.detok.flush()
-            if tail:
-                yield tail
+                    if r.finished:
+                        r.detok.flush()
+                    text = cut_at_stop(r.detok.text, params.stop, final=r.finished)
+                if len(text) > shown:
+                    yield text[shown:]
+                    shown = len(text)
+                if r.finished:
+                    return
         finally:
             with self._core_lock:
                 if not r.finished:

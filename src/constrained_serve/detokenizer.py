@@ -7,6 +7,22 @@ character (U+FFFD).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
+
+def cut_at_stop(text: str, stops: Sequence[str], *, final: bool) -> str:
+    """The part of an output's text a user may see: everything before the first stop string.
+    While the output can still grow (``final=False``), a tail that could be the start of a
+    stop string is held back too, so a stream never shows text the result leaves out."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    if cut >= 0:
+        return text[:cut]
+    if final:
+        return text
+    hold = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+    return text[:len(text) - hold]
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_tail: list[int] | None = None) -> None:

@@ -181,9 +181,7 @@ class EngineCore:
         return f"grammar rejected sampled token {tok}, which its own mask allowed"
 
     def _emit(self, r: Request, toks: list[int]) -> None:
-        delta = r.detok.push(toks)
-        if delta and r.on_delta is not None:
-            r.on_delta(delta)
+        r.detok.push(toks)  # stop strings are matched on this text; Engine.stream reads it
 
     def _check_stop(self, r: Request, new: list[int]) -> bool:
         p = r.params

@@ -51,7 +51,6 @@ class Request:
     error_type: str | None = None
     num_preemptions: int = 0
     detok: Any = None
-    on_delta: Any = None  # callable(str) for streaming
 
     def __post_init__(self) -> None:
         if not self.token_ids:
