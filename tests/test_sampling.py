@@ -105,3 +105,14 @@ def test_sampler_filters():
 def test_step_seed_mixes():
     seeds = {step_seed(s, p) for s in range(20) for p in range(20)}
     assert len(seeds) == 400
+
+
+def test_stop_string_inside_a_long_fast_forward_is_seen(tiny_engine_factory):
+    """The grammar forces ~100 characters in one go; the stop string sits near their start.
+    It must end the request there (the old check only looked at the last 64 characters)."""
+    eng = tiny_engine_factory()
+    forced = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma: "
+    [r] = eng.generate(["x"], SamplingParams(max_tokens=60, stop=["beta"]), regex=forced + "[a-z ]{0,80}")
+    assert r.usage.forced_tokens > 10
+    assert r.finish_reason == "stop" and r.text == "alpha "
+    assert r.usage.completion_tokens == r.usage.forced_tokens  # nothing sampled after the stop

@@ -192,7 +192,7 @@ class EngineCore:
             reason = "stop"
         elif r.matcher is not None and r.matcher.is_finished():
             reason = "stop"
-        elif p.stop and any(s in r.detok.text[-(len(s) + 64):] for s in p.stop):
+        elif p.stop and self._stop_string_seen(r):
             reason = "stop"
         elif r.num_output >= p.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"
@@ -201,6 +201,15 @@ class EngineCore:
         self.scheduler.finish(r, reason)
         self.finished_queue.append(r)
         return True
+
+    @staticmethod
+    def _stop_string_seen(r: Request) -> bool:
+        """Search only the text added since the last check, plus enough before it for a stop
+        string that straddles the boundary (a fast-forward can add many characters at once)."""
+        text = r.detok.text
+        start = max(0, r.stop_scanned - max(len(s) for s in r.params.stop) + 1)
+        r.stop_scanned = len(text)
+        return any(s in text[start:] for s in r.params.stop)
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:

@@ -51,6 +51,7 @@ class Request:
     error_type: str | None = None
     num_preemptions: int = 0
     detok: Any = None
+    stop_scanned: int = 0  # characters of detok.text already searched for stop strings
 
     def __post_init__(self) -> None:
         if not self.token_ids:
