@@ -108,16 +108,18 @@ class Engine:
     @property
     def grammar(self):
         """The GrammarManager, created on first use (building the token tables takes a moment)."""
-        with self._core_lock:
-            if self._grammar is None:
-                from .grammar.manager import GrammarManager
+        if self._grammar is None:  # the lock only for the first use: a step may be holding it
+            with self._core_lock:
+                if self._grammar is None:
+                    from .grammar.manager import GrammarManager
 
-                self._grammar = GrammarManager(self.tokenizer, self.vocab_size,
-                                               default_backend=self.config.grammar_backend,
-                                               eos_token_ids=sorted(self.core.eos_token_ids),
-                                               mask_threads=1 if self.device.type == "cpu" else None)
-                self.core.grammar = self._grammar
-            return self._grammar
+                    grammar = GrammarManager(self.tokenizer, self.vocab_size,
+                                             default_backend=self.config.grammar_backend,
+                                             eos_token_ids=sorted(self.core.eos_token_ids),
+                                             mask_threads=1 if self.device.type == "cpu" else None)
+                    self.core.grammar = grammar
+                    self._grammar = grammar  # published last: other threads see it complete
+        return self._grammar
 
     # ------------------------------------------------------------------ inputs
     def encode_prompt(self, prompt: str) -> list[int]:
