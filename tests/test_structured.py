@@ -157,6 +157,17 @@ def test_dead_end_in_a_grammar_aborts_that_request_with_the_reason(tiny_engine_f
     assert rs[1].error is None and rs[1].finish_reason == "length"
 
 
+def test_per_prompt_spec_list_of_the_wrong_length_is_named(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    p = SamplingParams(max_tokens=3)
+    with pytest.raises(GrammarError, match="one spec per prompt; got 1 for 2 prompts"):
+        eng.generate(["x", "y"], p, regex=["a"])
+    with pytest.raises(GrammarError, match="got 3 for 2 prompts"):
+        eng.generate(["x", "y"], p, choices=[["a"], ["b"], ["c"]])
+    assert [r.text for r in eng.generate(["x", "y"], p, choices=["yes", "no"])] != []  # one spec for all
+    assert eng.generate([], p, regex=[]) == []
+
+
 def test_overlapped_and_synchronous_loops_give_identical_tokens(tiny_engine_factory):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "n": {"type": "integer"}, "ok": {"type": "boolean"}},

@@ -146,9 +146,11 @@ class Engine:
         per_prompt = {}
         for k in _SPEC_KEYS:
             v = spec_args.get(k)
-            is_list = isinstance(v, list) and len(v) == n and n > 0
-            if k == "choices":
-                is_list = is_list and all(isinstance(x, (list, tuple)) or x is None for x in v)
+            # A list is one spec per prompt, except choices=["yes", "no"] (one spec for all).
+            is_list = isinstance(v, list) and (k != "choices" or (
+                len(v) > 0 and all(isinstance(x, (list, tuple)) or x is None for x in v)))
+            if is_list and len(v) != n:
+                raise GrammarError(f"{k}: a list gives one spec per prompt; got {len(v)} for {n} prompts")
             if is_list:
                 per_prompt[k] = v
         if not per_prompt:
