@@ -207,7 +207,7 @@ def test_strict_refuses_approximation(manager, backend, caplog):
 # the second hides its oneOf where only a $ref reaches it (no "definitions/<name>" schema).
 OVERLAPPING_ONE_OF = [
     {"oneOf": [{"type": "integer"}, {"type": "number"}]},
-    {"definitions": {"a": {"b": {"oneOf": [{"$ref": "#/definitions/c"}, {"type": "array"}]}},
+    {"definitions": {"a": {"b": {"oneOf": [{"$ref": "#/definitions/c"}, {"type": "string", "maxLength": 3}]}},
                      "c": {"type": "string"}},
      "type": "object", "properties": {"x": {"$ref": "#/definitions/a/b"}}},
 ]
@@ -221,6 +221,48 @@ def test_strict_refuses_overlapping_one_of(manager, backend, schema):
     # Branches of disjoint types are exact either way.
     exact = {"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}
     assert not manager.compile(make_output_spec(schema=exact), backend).warnings
+
+
+def _discriminated_union(second_kind: str, typed: bool = True) -> dict:
+    def branch(kind: str, field: str) -> dict:
+        b = {"properties": {"kind": {"const": kind}, field: {"type": "integer"}}, "required": ["kind", field],
+             "additionalProperties": False}
+        return {"type": "object", **b} if typed else b
+    return {"$defs": {"Cat": branch("cat", "lives"), "Dog": branch(second_kind, "good")},
+            "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}
+
+
+def test_discriminated_one_of_is_exact_for_the_xgrammar_check():
+    # Pydantic's discriminated unions: object branches told apart by a required constant.
+    from constrained_serve.grammar.xgrammar import unsupported_schema_features
+
+    assert unsupported_schema_features(_discriminated_union("dog")) == []
+    # The same constant twice, or branches that are not typed objects, may overlap.
+    assert unsupported_schema_features(_discriminated_union("cat")) == ["#/oneOf (treated as anyOf)"]
+    assert unsupported_schema_features(_discriminated_union("dog", typed=False)) == ["#/oneOf (treated as anyOf)"]
+
+
+def test_pydantic_discriminated_union_compiles_in_both(manager, backend, tokenizer):
+    from typing import Annotated, Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(BaseModel):
+        pet: Annotated[Union[Cat, Dog], Field(discriminator="kind")]
+
+    compiled = manager.compile(make_output_spec(schema=Pet), backend)
+    for text, ok in (('{"pet":{"kind":"dog","good":true}}', True), ('{"pet":{"kind":"cat","good":true}}', False)):
+        m = manager.new_matcher(compiled)
+        accepted = m.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) and m.can_end()
+        assert accepted == ok, (backend, text)
 
 
 def test_spec_that_matches_nothing_is_refused_at_compile(manager, backend):

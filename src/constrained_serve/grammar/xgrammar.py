@@ -59,13 +59,8 @@ def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         found.append(f"{path}/allOf (merged approximately)")
     one_of = schema.get("oneOf")
-    if isinstance(one_of, list) and len(one_of) > 1:
-        # xgrammar treats oneOf as anyOf: exact only when the branches are disjoint by type.
-        types = [b.get("type") if isinstance(b, dict) else None for b in one_of]
-        # Every integer is also a number: those two branches overlap.
-        if (not all(isinstance(t, str) for t in types) or len(set(types)) != len(types)
-                or {"integer", "number"} <= set(types)):
-            found.append(f"{path}/oneOf (treated as anyOf)")
+    if isinstance(one_of, list) and len(one_of) > 1 and not _one_of_is_exact(one_of, root):
+        found.append(f"{path}/oneOf (treated as anyOf)")
     # Combinations xgrammar 0.2.9 logs as "ignoring ..." (to stderr, which we cannot read).
     if "multipleOf" in schema:
         if schema.get("type") != "integer":
@@ -104,6 +99,45 @@ def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
         else:
             found += unsupported_schema_features(sub, f"{path}/{key}", root, seen)
     return found
+
+
+def _one_of_is_exact(branches: list, root: Any) -> bool:
+    """xgrammar treats oneOf as anyOf, which is exact when no value can match two branches:
+    branches of distinct JSON types (every integer is also a number, so those two overlap),
+    or objects told apart by a required property that holds a different constant in each
+    (Pydantic's discriminated unions: ``{"kind": {"const": "cat"}}`` vs ``"dog"``)."""
+    resolved = [_deref(b, root) for b in branches]
+    if not all(isinstance(b, dict) for b in resolved):
+        return False
+    types = [b.get("type") for b in resolved]
+    if (all(isinstance(t, str) for t in types) and len(set(types)) == len(types)
+            and not {"integer", "number"} <= set(types)):
+        return True
+    # Without "type": "object" a branch also matches every non-object value.
+    if any(t != "object" or not isinstance(b.get("required"), list) for t, b in zip(types, resolved)):
+        return False
+    for name in sorted(set.intersection(*(set(map(str, b["required"])) for b in resolved))):
+        values = [_constant(_deref((b.get("properties") or {}).get(name), root)) for b in resolved]
+        if None not in values and len(set(values)) == len(values):
+            return True
+    return False
+
+
+def _deref(schema: Any, root: Any, hops: int = 8) -> Any:
+    """A schema that is only a local ``$ref``, replaced by its target (a few hops at most)."""
+    while hops and isinstance(schema, dict) and set(schema) == {"$ref"} and isinstance(schema["$ref"], str):
+        schema, hops = resolve_local_ref(root, schema["$ref"]), hops - 1
+    return schema
+
+
+def _constant(schema: Any) -> str | None:
+    """The JSON text of the one value a ``const`` or one-item ``enum`` allows, else None."""
+    if isinstance(schema, dict):
+        if "const" in schema:
+            return json.dumps(schema["const"], sort_keys=True)
+        if isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
+            return json.dumps(schema["enum"][0], sort_keys=True)
+    return None
 
 
 class XGrammarMatcher(GrammarMatcher):
