@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from constrained_serve.grammar.spec import resolve_local_ref
+from constrained_serve.grammar.spec import follow_local_refs
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "jsonschemabench"
@@ -49,15 +49,6 @@ def schema_files(limit: int | None = None) -> list[Path]:
 
 
 # -- serialization in schema property order --------------------------------------------
-def _resolve(schema: Any, root: Any, depth: int = 0) -> Any:
-    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 32:
-        node = resolve_local_ref(root, schema["$ref"])
-        if node is None:
-            return schema
-        schema, depth = node, depth + 1
-    return schema
-
-
 class _Validity:
     """Does a value match a sub-schema (refs resolved against the root)? Used to pick the
     anyOf/oneOf branch whose property order the engine would follow."""
@@ -82,7 +73,7 @@ class _Validity:
 def _branches(schema: Any, root: Any, value: Any, valid: _Validity, depth: int = 0) -> Iterator[dict]:
     """The schema and the sub-schemas whose properties apply to ``value``: every allOf
     branch, and the first anyOf/oneOf branch the value matches (all of them if none)."""
-    schema = _resolve(schema, root)
+    schema = follow_local_refs(schema, root)
     if not isinstance(schema, dict) or depth > 8:
         return
     yield schema

@@ -75,24 +75,21 @@ class Conversation:
     def _pin(self) -> None:
         """Lock the cached history so eviction cannot take it while the conversation is open."""
         with self.engine._core_lock:  # the radix tree and page refcounts are the core's
-            self._pin_locked()
-
-    def _pin_locked(self) -> None:
-        self._unpin()
-        kv = self.engine.kv
-        if kv.radix is None:
-            return
-        m = kv.radix.match_prefix(self.token_ids)
-        if m.num_tokens == 0:
-            return
-        pinned = sum(len(c.pages) for c in self.engine.core.page_holders if c is not self)
-        limit = int(self.engine.config.conversation_lock_fraction * kv.pool.num_pages)
-        if pinned + len(m.pages) > limit:
-            logger.info("conversation history not pinned: pinned pages would exceed %d", limit)
-            return
-        kv.radix.lock(m.node)
-        kv.pool.incref(m.pages)
-        self._node, self.pages = m.node, list(m.pages)
+            self._unpin()
+            kv = self.engine.kv
+            if kv.radix is None:
+                return
+            m = kv.radix.match_prefix(self.token_ids)
+            if m.num_tokens == 0:
+                return
+            pinned = sum(len(c.pages) for c in self.engine.core.page_holders if c is not self)
+            limit = int(self.engine.config.conversation_lock_fraction * kv.pool.num_pages)
+            if pinned + len(m.pages) > limit:
+                logger.info("conversation history not pinned: pinned pages would exceed %d", limit)
+                return
+            kv.radix.lock(m.node)
+            kv.pool.incref(m.pages)
+            self._node, self.pages = m.node, list(m.pages)
 
     def _unpin(self) -> None:
         with self.engine._core_lock:

@@ -64,7 +64,8 @@ class InputItem:
 
     @property
     def key(self) -> str:
-        return f"line {self.line_no}" if self.id_from_line else row_key(self.id)
+        """Its resume key: the key its output row will be found under."""
+        return written_row_key(self.row_head())
 
     def row_head(self) -> dict[str, Any]:
         """The first fields of this line's output row. A row whose id is its line number also
@@ -125,30 +126,32 @@ class PromptBuilder:
         return messages
 
 
+def _line_error(line_no: int, kind: str, message: str) -> InputItem:
+    """A line refused before its id could be read: the line number stands in for the id."""
+    return InputItem(line_no, line_no, error=_err(kind, message), id_from_line=True)
+
+
 def _parse_line(raw: bytes, line_no: int, builder: PromptBuilder, id_field: str) -> InputItem:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return InputItem(line_no, line_no, error=_err(INVALID_UTF8, f"line {line_no} is not valid UTF-8: {e}"),
-                         id_from_line=True)
+        return _line_error(line_no, INVALID_UTF8, f"line {line_no} is not valid UTF-8: {e}")
     if line_no == 1:
         text = text.lstrip("\ufeff")  # a byte-order mark some editors write
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        return InputItem(line_no, line_no, error=_err(INVALID_JSON, f"line {line_no} is not valid JSON: {e}"),
-                         id_from_line=True)
+        return _line_error(line_no, INVALID_JSON, f"line {line_no} is not valid JSON: {e}")
     if not isinstance(record, dict):
         kind = type(record).__name__
-        return InputItem(line_no, line_no, error=_err(NOT_OBJECT, f"line {line_no} is a JSON {kind}, not an object"),
-                         id_from_line=True)
+        return _line_error(line_no, NOT_OBJECT, f"line {line_no} is a JSON {kind}, not an object")
     row_id = record.get(id_field)
     from_line = row_id is None
     if from_line:
         row_id = line_no
     elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
         msg = f"line {line_no}: {id_field!r} must be a string or an integer, got {json.dumps(row_id)[:80]}"
-        return InputItem(line_no, line_no, error=_err(INVALID_ID, msg), id_from_line=True)
+        return _line_error(line_no, INVALID_ID, msg)
     try:
         messages = builder.build(record)
     except KeyError as e:

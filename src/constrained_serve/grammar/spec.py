@@ -15,7 +15,7 @@ from urllib.parse import unquote
 from ..errors import GrammarError, OutputValidationError
 from ..params import OutputSpec
 
-__all__ = ["make_output_spec", "parse_output", "canonical_json", "resolve_local_ref"]
+__all__ = ["make_output_spec", "parse_output", "canonical_json", "resolve_local_ref", "follow_local_refs"]
 
 _GRAMMAR_SYNTAXES = {"lark": "lark", "ebnf": "ebnf", "gbnf": "ebnf"}
 
@@ -50,6 +50,17 @@ def resolve_local_ref(root: Any, ref: str) -> Any:
         else:
             return None
     return node
+
+
+def follow_local_refs(schema: Any, root: Any, max_hops: int = 32) -> Any:
+    """``schema`` with its local ``$ref`` followed to the target, and the target's, and so on;
+    a ``$ref`` that is remote or points nowhere is left as it is."""
+    while max_hops and isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+        target = resolve_local_ref(root, schema["$ref"])
+        if target is None:
+            break
+        schema, max_hops = target, max_hops - 1
+    return schema
 
 
 def _schema_from_type(tp: Any) -> tuple[dict, Any]:

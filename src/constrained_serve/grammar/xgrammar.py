@@ -18,7 +18,7 @@ import xgrammar as xgr
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
-from .spec import resolve_local_ref
+from .spec import follow_local_refs, resolve_local_ref
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +123,9 @@ def _one_of_is_exact(branches: list, root: Any) -> bool:
     return False
 
 
-def _deref(schema: Any, root: Any, hops: int = 8) -> Any:
-    """A schema that is only a local ``$ref``, replaced by its target (a few hops at most)."""
-    while hops and isinstance(schema, dict) and set(schema) == {"$ref"} and isinstance(schema["$ref"], str):
-        schema, hops = resolve_local_ref(root, schema["$ref"]), hops - 1
-    return schema
+def _deref(schema: Any, root: Any) -> Any:
+    """A branch that is only a local ``$ref`` stands for its target."""
+    return follow_local_refs(schema, root) if isinstance(schema, dict) and set(schema) == {"$ref"} else schema
 
 
 def _constant(schema: Any) -> str | None:
