@@ -99,6 +99,21 @@ def test_forced_tokens_after_brace(manager, backend, tokenizer):
     assert not m.is_finished()
 
 
+def test_finished_once_only_eos_may_follow(manager, backend, tokenizer):
+    """Both backends end a closed JSON value without a decode step for EOS, and not a text
+    that is complete but may still grow."""
+    m = manager.new_matcher(manager.compile(make_output_spec(schema=PERSON), backend))
+    assert m.accept_tokens(encode(tokenizer, '{"name":"Al","age":7'))
+    assert not m.can_end() and not m.is_finished()
+    assert m.accept_tokens(encode(tokenizer, "}"))
+    assert m.is_finished() and m.can_end()
+    m.rollback(1)
+    assert not m.is_finished()
+    for spec, text in (({"regex": "[a-z]+"}, "abc"), ({"schema": {"type": "integer"}}, "7")):
+        free = manager.new_matcher(manager.compile(make_output_spec(**spec), backend))
+        assert free.accept_tokens(encode(tokenizer, text)) and free.can_end() and not free.is_finished()
+
+
 def test_forced_tokens_none_when_free(manager, backend, tokenizer):
     m = manager.new_matcher(manager.compile(make_output_spec(regex="[a-z]+"), backend))
     assert m.forced_tokens() == []

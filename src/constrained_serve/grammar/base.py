@@ -97,8 +97,10 @@ class GrammarBackend(abc.ABC):
         """The matcher can neither go on nor stop: its mask allows no token but EOS (the
         backends' way out of a dead state), yet what it has read is not a complete match.
         A spec whose start is a dead end matches no text at all."""
-        if matcher.can_end():
-            return False
+        return not matcher.can_end() and self.only_eos_allowed(matcher)
+
+    def only_eos_allowed(self, matcher: GrammarMatcher) -> bool:
+        """The matcher's next-token mask allows no token but EOS (one mask fill)."""
         row = torch.full((1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
         matcher.fill_bitmask(row, 0)
         allowed = unpack_bitmask(row, self.vocab_size)[0]

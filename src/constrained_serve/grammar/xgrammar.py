@@ -140,11 +140,12 @@ def _constant(schema: Any) -> str | None:
 
 class XGrammarMatcher(GrammarMatcher):
     backend_name = "xgrammar"
-    __slots__ = ("_m", "_backend")
+    __slots__ = ("_m", "_backend", "_finished")
 
     def __init__(self, matcher: xgr.GrammarMatcher, backend: "XGrammarBackend"):
         self._m = matcher
         self._backend = backend
+        self._finished: bool | None = None  # is_finished() of the current state, once computed
 
     @property
     def raw(self) -> xgr.GrammarMatcher:
@@ -158,6 +159,8 @@ class XGrammarMatcher(GrammarMatcher):
                     self._m.rollback(done)  # a rejection leaves the state unchanged
                 return False
             done += 1
+        if done:
+            self._finished = None
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -191,7 +194,14 @@ class XGrammarMatcher(GrammarMatcher):
         return ids[:accepted]
 
     def is_finished(self) -> bool:
-        return self._m.is_terminated()
+        # xgrammar terminates only once EOS is taken; llguidance stops as soon as nothing but
+        # EOS may follow. Do as llguidance does, so a closed JSON value ends its request
+        # without one more decode step just to sample EOS. The mask check runs only where the
+        # text is a complete match (for JSON: at the end), once per state.
+        if self._finished is None:
+            self._finished = self._m.is_terminated() or (
+                self._m.is_completed() and self._backend.only_eos_allowed(self))
+        return self._finished
 
     def can_end(self) -> bool:
         return not self._m.is_terminated() and self._m.is_completed()
@@ -199,6 +209,7 @@ class XGrammarMatcher(GrammarMatcher):
     def rollback(self, n: int) -> None:
         if n > 0:
             self._m.rollback(n)
+            self._finished = None
 
 
 class XGrammarBackend(GrammarBackend):
@@ -277,7 +288,7 @@ class XGrammarBackend(GrammarBackend):
     def fill_bitmasks(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
         live = []
         for row, m in rows_and_matchers:
-            if m.is_finished():
+            if m.raw.is_terminated():  # type: ignore[attr-defined]
                 self.eos_only_row(bitmask, row)
             else:
                 live.append((row, m))
