@@ -51,7 +51,7 @@ def test_stop_strings_cut_the_text(tiny_engine_factory):
     assert len(free.text) > 6
     stop = free.text[4:7]
     r = eng.generate("Once upon", SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
-    assert r.finish_reason == "stop"
+    assert r.finish_reason == "stop" and r.stop_reason == stop
     assert stop not in r.text
     assert free.text.startswith(r.text)
     # A stream shows exactly the result's text: never the stop string, nor what follows it.
@@ -75,6 +75,7 @@ def test_stop_token_ids_and_max_tokens(tiny_engine_factory):
     tok = free.token_ids[3]
     r = eng.generate("Once upon", SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[tok]))[0]
     assert r.finish_reason == "stop" and r.token_ids[-1] == tok and tok not in r.token_ids[:-1]
+    assert r.stop_reason == tok and free.stop_reason is None
 
 
 def test_sampler_filters():
@@ -114,5 +115,45 @@ def test_stop_string_inside_a_long_fast_forward_is_seen(tiny_engine_factory):
     forced = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma: "
     [r] = eng.generate(["x"], SamplingParams(max_tokens=60, stop=["beta"]), regex=forced + "[a-z ]{0,80}")
     assert r.usage.forced_tokens > 10
-    assert r.finish_reason == "stop" and r.text == "alpha "
+    assert r.finish_reason == "stop" and r.text == "alpha " and r.stop_reason == "beta"
+    assert r.parsed is None and r.error_type == "truncated" and "stop string 'beta'" in r.error
     assert r.usage.completion_tokens == r.usage.forced_tokens  # nothing sampled after the stop
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_stop_token_among_forced_tokens_ends_there(tiny_engine_factory, fast_forward):
+    """A stop token ends the output where it stands, whether the grammar forced it (fast-forward)
+    or it was sampled under a one-token mask; a constrained output cut short says so."""
+    eng = tiny_engine_factory(fast_forward=fast_forward)
+    text = "alpha beta gamma delta"
+    ids = eng.tokenizer.encode(text, add_special_tokens=False)
+    stop = ids[len(ids) // 2]
+    [r] = eng.generate(["x"], SamplingParams(max_tokens=30, stop_token_ids=[stop]), regex=text + "!")
+    assert r.token_ids == ids[: len(ids) // 2 + 1]
+    assert r.finish_reason == "stop" and r.stop_reason == stop
+    assert (r.usage.forced_tokens > 0) == fast_forward
+    assert r.parsed is None and r.error_type == "truncated" and "stop token" in r.error
+
+
+def test_stop_string_leaving_a_complete_match_is_not_an_error(tiny_engine_factory):
+    """A stop string may cut a constrained output where the grammar could have ended: that
+    output is complete (parsed, no error); where it could not, the result says it was cut."""
+    eng = tiny_engine_factory()
+    seen = set()
+    for seed in range(40):
+        p = SamplingParams(max_tokens=8, temperature=1.0, seed=seed)
+        [free] = eng.generate(["x"], p, regex="[ab]{1,8}")
+        cut = free.text.find("b")
+        if cut < 0 or (cut > 0) in seen:
+            continue
+        seen.add(cut > 0)
+        p = SamplingParams(max_tokens=8, temperature=1.0, seed=seed, stop=["b"])
+        [r] = eng.generate(["x"], p, regex="[ab]{1,8}")
+        assert r.text == free.text[:cut] and r.stop_reason == "b"
+        if cut > 0:
+            assert r.ok and r.parsed == r.text and r.error is None
+        else:  # an empty output does not match [ab]{1,8}
+            assert r.parsed is None and r.error_type == "truncated"
+        if seen == {False, True}:
+            break
+    assert seen == {False, True}, "the seeds never gave both a leading 'b' and a later one"

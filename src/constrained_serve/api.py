@@ -183,12 +183,19 @@ class Engine:
         res = Result(text=text, token_ids=r.output_ids, finish_reason=r.finish_reason or "abort",
                      usage=Usage(prompt_tokens=r.num_prompt, cached_tokens=r.num_cached,
                                  completion_tokens=r.num_output, forced_tokens=r.num_forced),
-                     error=r.error, error_type=r.error_type, index=r.index, prompt=prompt)
+                     error=r.error, error_type=r.error_type, index=r.index, prompt=prompt,
+                     stop_reason=r.stop_reason)
         if r.spec is not None and res.error is None:
             if res.finish_reason == "length":
                 res.error_type = "truncated"
                 res.error = (f"output truncated at max_tokens={r.params.max_tokens} before the "
                              f"{r.spec.kind} was complete; nothing was repaired")
+            elif (res.finish_reason == "stop" and r.stop_reason is not None and r.compiled is not None
+                  and not self.grammar.matches(r.compiled, text)):
+                what = "stop string" if isinstance(r.stop_reason, str) else "stop token"
+                res.error_type = "truncated"
+                res.error = (f"output cut by {what} {r.stop_reason!r} before the {r.spec.kind} "
+                             f"was complete; nothing was repaired")
             elif res.finish_reason == "stop":
                 from .grammar.spec import parse_output
 

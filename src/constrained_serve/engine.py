@@ -77,26 +77,31 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
                 self.abort(r, "abort", str(e), type(e).__name__)
                 continue
-            r.matcher = self.grammar.new_matcher(compiled)
+            r.compiled, r.matcher = compiled, self.grammar.new_matcher(compiled)
             r.grammar_future = None
             # Tokens the grammar forces before the first sampled token join the prefill.
-            self._fast_forward(r)
-            if self._check_stop(r, []):
+            if self._check_stop(r, self._fast_forward(r)):
                 continue
 
-    def _fast_forward(self, r: Request) -> None:
+    def _fast_forward(self, r: Request) -> list[int]:
+        """Append the tokens the grammar forces next; returns them."""
         if not self.fast_forward or r.matcher is None or r.finished:
-            return
+            return []
         room = min(r.params.max_tokens - r.num_output, self.max_model_len - r.num_tokens)
         forced = r.matcher.forced_tokens()[: max(room, 0)]
+        # A stop token ends the output where it stands, as it would had it been sampled.
+        cut = next((i for i, t in enumerate(forced) if t in r.params.stop_token_ids), None)
+        if cut is not None:
+            forced = forced[: cut + 1]
         if not forced:
-            return
+            return []
         if not r.matcher.accept_tokens(forced):
             logger.warning("grammar refused its own forced tokens %s", forced)
-            return
+            return []
         r.token_ids.extend(forced)
         r.num_forced += len(forced)
         self._emit(r, forced)
+        return forced
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[Request]:
@@ -167,8 +172,7 @@ class EngineCore:
             self._emit(r, [tok])
             if self._check_stop(r, [tok]):
                 continue
-            self._fast_forward(r)
-            self._check_stop(r, [])
+            self._check_stop(r, self._fast_forward(r))
 
     def _rejection_message(self, r: Request, tok: int) -> str:
         """Why the matcher refused a token sampled under its own mask: usually a dead end in
@@ -189,11 +193,11 @@ class EngineCore:
         if new and not p.ignore_eos and new[-1] in self.eos_token_ids:
             reason = "stop"
         elif new and new[-1] in p.stop_token_ids:
-            reason = "stop"
+            reason, r.stop_reason = "stop", new[-1]
         elif r.matcher is not None and r.matcher.is_finished():
             reason = "stop"
-        elif p.stop and self._stop_string_seen(r):
-            reason = "stop"
+        elif p.stop and (seen := self._stop_string_seen(r)) is not None:
+            reason, r.stop_reason = "stop", seen
         elif r.num_output >= p.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is None:
@@ -203,13 +207,15 @@ class EngineCore:
         return True
 
     @staticmethod
-    def _stop_string_seen(r: Request) -> bool:
-        """Search only the text added since the last check, plus enough before it for a stop
-        string that straddles the boundary (a fast-forward can add many characters at once)."""
+    def _stop_string_seen(r: Request) -> str | None:
+        """The stop string that occurs first in the text, or None. Searches only the text
+        added since the last check, plus enough before it for a stop string that straddles
+        the boundary (a fast-forward can add many characters at once)."""
         text = r.detok.text
         start = max(0, r.stop_scanned - max(len(s) for s in r.params.stop) + 1)
         r.stop_scanned = len(text)
-        return any(s in text[start:] for s in r.params.stop)
+        found = [(i, s) for s in r.params.stop if (i := text.find(s, start)) >= 0]
+        return min(found)[1] if found else None
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:

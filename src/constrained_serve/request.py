@@ -43,10 +43,12 @@ class Request:
 
     # grammar
     grammar_future: Any = None
+    compiled: Any = None  # the CompiledGrammar its matcher came from
     matcher: Any = None
     num_forced: int = 0
 
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     error_type: str | None = None
     num_preemptions: int = 0

@@ -29,6 +29,9 @@ class Result:
     error_type: str | None = None
     index: int = 0  # position in the input list
     prompt: Any = None
+    # As in vLLM: the stop string or stop token id (SamplingParams.stop / stop_token_ids)
+    # that ended the output; None when EOS, the grammar's end or a limit ended it.
+    stop_reason: int | str | None = None
 
     @property
     def ok(self) -> bool:

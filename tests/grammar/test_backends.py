@@ -114,6 +114,18 @@ def test_finished_once_only_eos_may_follow(manager, backend, tokenizer):
         assert free.accept_tokens(encode(tokenizer, text)) and free.can_end() and not free.is_finished()
 
 
+def test_matches_whole_texts(manager, backend):
+    """Whole-text check of an output cut by a stop string, whatever its tokenization."""
+    person = manager.compile(make_output_spec(schema=PERSON), backend)
+    assert manager.matches(person, '{"name":"Zoë","age":7}')
+    assert not manager.matches(person, '{"name":"Zoë","age":7')
+    assert not manager.matches(person, '{"name":"Zoë"}')
+    assert not manager.matches(person, "")
+    word = manager.compile(make_output_spec(regex="[a-z]+"), backend)
+    assert manager.matches(word, "abc") and not manager.matches(word, "ab1") and not manager.matches(word, "")
+    assert manager.matches(manager.compile(make_output_spec(regex="[a-z]*"), backend), "")
+
+
 def test_forced_tokens_none_when_free(manager, backend, tokenizer):
     m = manager.new_matcher(manager.compile(make_output_spec(regex="[a-z]+"), backend))
     assert m.forced_tokens() == []

@@ -99,6 +99,11 @@ class GrammarBackend(abc.ABC):
         A spec whose start is a dead end matches no text at all."""
         return not matcher.can_end() and self.only_eos_allowed(matcher)
 
+    @abc.abstractmethod
+    def matches(self, compiled: CompiledGrammar, text: str) -> bool:
+        """``text`` as a whole is a complete match of the grammar, however it is tokenized
+        (checks an output that a stop string cut at an arbitrary character)."""
+
     def only_eos_allowed(self, matcher: GrammarMatcher) -> bool:
         """The matcher's next-token mask allows no token but EOS (one mask fill)."""
         row = torch.full((1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)

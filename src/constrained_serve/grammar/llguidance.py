@@ -176,6 +176,13 @@ class LLGuidanceBackend(GrammarBackend):
     def new_matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(compiled.handle.deep_copy(), self.width, self._eos)
 
+    def matches(self, compiled: CompiledGrammar, text: str) -> bool:
+        # llguidance matches bytes, so any tokenization of the text will do; tokenize_str
+        # spells it exactly (no prefix space, unlike some HF tokenizers' encode).
+        m = compiled.handle.deep_copy()
+        ids = self.ll_tokenizer.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and not m.is_error() and m.is_accepting()
+
     def fill_bitmasks(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
         if not rows_and_matchers:
             return

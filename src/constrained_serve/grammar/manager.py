@@ -166,6 +166,10 @@ class GrammarManager:
     def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         return self.backend(compiled.backend).new_matcher(compiled)
 
+    def matches(self, compiled: CompiledGrammar, text: str) -> bool:
+        """``text`` is a complete match of the compiled grammar."""
+        return self.backend(compiled.backend).matches(compiled, text)
+
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """``[rows, ceil(vocab/32)]`` int32, all bits set (= no constraint)."""
         return torch.full((rows, self.width), -1, dtype=torch.int32)
