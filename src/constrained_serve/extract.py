@@ -9,7 +9,8 @@ Data flow (all streaming, so inputs larger than memory are fine)::
 Resume: ``open_sinks`` locks the output file(s), truncates a partial last line left by a
 crash (the only damage a killed writer can leave, because every row is one ``write`` of a
 complete line followed by a flush) and returns the ids already written; ``read_items``
-skips those ids. So ``kill -9`` then a rerun gives exactly one row per input id.
+skips those keys (the id, or the line for rows that carry one). So ``kill -9`` then a
+rerun gives exactly one row per input line.
 
 Nothing here needs a model: ``run_extract`` takes any object with the Engine's
 ``generate_iter`` and the rest is plain file logic, unit-tested on its own.
@@ -23,7 +24,7 @@ import re
 import string
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping
 
 try:
@@ -60,7 +61,9 @@ class InputItem:
     id: Any  # the input's id field, or the 1-based line number when it has none
     messages: list[dict[str, str]] | None = None
     error: dict[str, str] | None = None
-    id_from_line: bool = False  # the line has no usable id of its own
+    # The row carries its line number and is keyed by it: the line has no usable id of its
+    # own, or it repeats the id of an earlier line (ids do not say which line a row is for).
+    by_line: bool = False
 
     @property
     def key(self) -> str:
@@ -70,8 +73,9 @@ class InputItem:
     def row_head(self) -> dict[str, Any]:
         """The first fields of this line's output row. A row whose id is its line number also
         says so ("line"): its resume key is then the line, apart from every real id, so a
-        line with the explicit id 5 is not taken for the id-less line 5."""
-        return {"id": self.id, "line": self.line_no} if self.id_from_line else {"id": self.id}
+        line with the explicit id 5 is not taken for the id-less line 5. So does the row of a
+        line that repeats an earlier line's id."""
+        return {"id": self.id, "line": self.line_no} if self.by_line else {"id": self.id}
 
 
 def row_key(row_id: Any) -> str:
@@ -128,7 +132,7 @@ class PromptBuilder:
 
 def _line_error(line_no: int, kind: str, message: str) -> InputItem:
     """A line refused before its id could be read: the line number stands in for the id."""
-    return InputItem(line_no, line_no, error=_err(kind, message), id_from_line=True)
+    return InputItem(line_no, line_no, error=_err(kind, message), by_line=True)
 
 
 def _parse_line(raw: bytes, line_no: int, builder: PromptBuilder, id_field: str) -> InputItem:
@@ -156,8 +160,8 @@ def _parse_line(raw: bytes, line_no: int, builder: PromptBuilder, id_field: str)
         messages = builder.build(record)
     except KeyError as e:
         msg = f"line {line_no} has no field {e.args[0]!r} (or it is null)"
-        return InputItem(line_no, row_id, error=_err(MISSING_FIELD, msg), id_from_line=from_line)
-    return InputItem(line_no, row_id, messages=messages, id_from_line=from_line)
+        return InputItem(line_no, row_id, error=_err(MISSING_FIELD, msg), by_line=from_line)
+    return InputItem(line_no, row_id, messages=messages, by_line=from_line)
 
 
 def read_items(
@@ -171,13 +175,26 @@ def read_items(
     """Items for every non-blank line whose id is not in ``done``, in input order.
 
     Blank lines are skipped silently (a trailing newline is common in JSONL); they still
-    count for line numbers, so a line number always points into the file.
+    count for line numbers, so a line number always points into the file. A line whose id
+    an earlier line already has is still run, and its row is keyed by its line number (a
+    rerun then resumes it apart from the first one).
     """
     done = done or set()
+    first_line: dict[str, int] = {}  # id key -> the line that had it first
+    repeats = 0
     for line_no, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         item = _parse_line(raw, line_no, builder, id_field)
+        if not item.by_line:
+            first = first_line.setdefault(item.key, line_no)
+            if first != line_no:
+                repeats += 1
+                if repeats <= 5:
+                    logger.warning("line %d repeats the id %s of line %d: its row carries \"line\": %d%s",
+                                   line_no, item.key, first, line_no,
+                                   " (further repeated ids are not reported)" if repeats == 5 else "")
+                item = replace(item, by_line=True)
         if item.key in done:
             if on_skip is not None:
                 on_skip(item)

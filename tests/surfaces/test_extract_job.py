@@ -297,3 +297,26 @@ def test_resume_tells_an_id_less_line_from_the_explicit_id_of_the_same_number(tm
     todo = list(read_items(src, PromptBuilder(), done=sinks.done))
     sinks.close()
     assert [(it.line_no, it.id) for it in todo] == [(3, 1), (4, 2)]
+
+
+def test_a_repeated_id_is_run_and_resumed_by_its_line(tmp_path, caplog) -> None:
+    """Two lines with the id "a": both are run, the second's row carries its line number, and
+    a run killed after the first row resumes the second (it is not taken for done)."""
+    src = lines('{"id": "a", "text": "x"}', '{"id": "b", "text": "xy"}', '{"id": "a", "text": "xyz"}')
+    rows: list = []
+    run_extract(EchoEngine(), read_items(src, PromptBuilder()), rows.append, None, {}, json_output=True)
+    assert [(r["id"], r.get("line"), r["output"]["n"]) for r in rows] == [("a", None, 1), ("b", None, 2), ("a", 3, 3)]
+    assert "line 3 repeats the id" in caplog.text
+    out = str(tmp_path / "out.jsonl")
+    sinks = open_sinks(out)
+    sinks.write(rows[0])  # killed after the first row
+    sinks.close()
+    sinks = open_sinks(out)
+    todo = list(read_items(src, PromptBuilder(), done=sinks.done))
+    assert [(it.line_no, it.id) for it in todo] == [(2, "b"), (3, "a")]
+    for row in rows[1:]:
+        sinks.write(row)
+    sinks.close()
+    sinks = open_sinks(out)
+    assert list(read_items(src, PromptBuilder(), done=sinks.done)) == []  # everything is done
+    sinks.close()
