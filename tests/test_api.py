@@ -112,3 +112,11 @@ def test_calls_from_several_threads_share_one_engine(tiny_engine_factory):
         if reason == "stop":
             jsonschema.validate(json.loads(text), schema)
     assert not eng.core.scheduler.has_work()
+
+
+def test_chat_refuses_a_bare_string_or_message(tiny_engine_factory):
+    """A str is iterable: without the check every character became a failed conversation."""
+    eng = tiny_engine_factory()
+    for wrong in ("hello", {"role": "user", "content": "hello"}):
+        with pytest.raises(TypeError, match="list of .*messages.*generate"):
+            eng.chat(wrong, SamplingParams(max_tokens=2))

@@ -229,6 +229,9 @@ class Engine:
         """Message lists, rendered with the model's chat template. One Result per conversation.
 
         ``params`` is one SamplingParams for all conversations or a list with one per conversation."""
+        if isinstance(messages, (str, bytes, dict)):
+            raise TypeError(f"chat() takes a list of {{'role': ..., 'content': ...}} messages (or a list of such "
+                            f"lists), got a {type(messages).__name__}; for raw text use generate()")
         single = len(messages) > 0 and isinstance(messages[0], dict)
         items = [messages] if single else list(messages)
         return self._run(items, params, True, progress, raise_on_error, spec_kwargs, single=single)
