@@ -157,3 +157,12 @@ def test_stop_string_leaving_a_complete_match_is_not_an_error(tiny_engine_factor
         if seen == {False, True}:
             break
     assert seen == {False, True}, "the seeds never gave both a leading 'b' and a later one"
+
+
+def test_stop_string_in_the_closing_text_cuts_it(tiny_engine_factory):
+    """The grammar's last characters hold the stop string: the stop string wins (it cuts the
+    text), and the result says the output is incomplete rather than failing to parse."""
+    eng = tiny_engine_factory()
+    [r] = eng.generate(["x"], SamplingParams(max_tokens=10, stop=["!"]), regex="abc!")
+    assert r.text == "abc" and r.finish_reason == "stop" and r.stop_reason == "!"
+    assert r.parsed is None and r.error_type == "truncated"

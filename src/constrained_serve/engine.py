@@ -194,10 +194,11 @@ class EngineCore:
             reason = "stop"
         elif new and new[-1] in p.stop_token_ids:
             reason, r.stop_reason = "stop", new[-1]
+        elif p.stop and (seen := self._stop_string_seen(r)) is not None:
+            # Before the grammar's end: a stop string in the closing text (a "}") cuts it.
+            reason, r.stop_reason = "stop", seen
         elif r.matcher is not None and r.matcher.is_finished():
             reason = "stop"
-        elif p.stop and (seen := self._stop_string_seen(r)) is not None:
-            reason, r.stop_reason = "stop", seen
         elif r.num_output >= p.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is None:
