@@ -1,6 +1,6 @@
 """How a Result looks in Jupyter (``_repr_html_``) and in a terminal (``__repr__``).
 
-Both read only the public Result fields (text, json, parsed, finish_reason, usage, error),
+Both read only the public Result fields (text, json, parsed, finish_reason, stop_reason, usage, error),
 so they work on any object with that shape. Everything taken from the model or the user
 is HTML-escaped: model output is untrusted text inside the notebook page.
 """
@@ -77,6 +77,13 @@ def _table(obj: dict[str, Any]) -> str:
     return "<table>" + "".join(rows) + "</table>"
 
 
+def _finish(result: Any) -> str:
+    """The finish reason, with the stop string or token that caused it when there is one."""
+    finish = str(getattr(result, "finish_reason", None))
+    stop = getattr(result, "stop_reason", None)
+    return finish if stop is None else f"{finish} ({stop!r})"
+
+
 def result_repr_html(result: Any) -> str:
     """HTML for Jupyter: the output (a table for a flat-ish object, else pretty JSON or
     text), then finish reason, token counts and any error."""
@@ -87,8 +94,7 @@ def result_repr_html(result: Any) -> str:
         body = f"<pre style='white-space:pre-wrap'>{html.escape(_elide(str(value)))}</pre>"
     else:
         body = f"<pre>{html.escape(_pretty(value))}</pre>"
-    finish = getattr(result, "finish_reason", None)
-    meta = [f"<b>{html.escape(kind)}</b>", f"finish: <code>{html.escape(str(finish))}</code>"]
+    meta = [f"<b>{html.escape(kind)}</b>", f"finish: <code>{html.escape(_finish(result))}</code>"]
     usage = _usage_line(result)
     if usage:
         meta.append(html.escape(usage))
@@ -116,6 +122,8 @@ def result_repr_text(result: Any) -> str:
         if kind != "json":
             shown = f"{kind}({shown})"
     fields = [f"finish_reason={getattr(result, 'finish_reason', None)!r}"]
+    if getattr(result, "stop_reason", None) is not None:
+        fields.append(f"stop_reason={result.stop_reason!r}")
     usage = _usage_line(result)
     if usage:
         fields.append(usage)

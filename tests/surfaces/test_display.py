@@ -84,6 +84,15 @@ def test_truncated_and_error_results() -> None:
     assert r._repr_html_() == html
 
 
+def test_stop_reason_is_shown_and_escaped() -> None:
+    r = Result(text="abc", token_ids=[1], finish_reason="stop", stop_reason="<b>}", error="output cut",
+               error_type="truncated")
+    html = result_repr_html(r)
+    assert "<b>}" not in html and "stop ('<b>}')" in "".join(parse(html).text)
+    assert "stop_reason='<b>}'" in result_repr_text(r)
+    assert "stop_reason" not in result_repr_text(Result(text="abc", token_ids=[1], finish_reason="stop"))
+
+
 def test_long_and_nested_values_are_elided_not_dropped() -> None:
     value = {"rows": [{"n": i} for i in range(400)], **{f"k{i}": i for i in range(60)}}
     html = result_repr_html(Result(text="", token_ids=[], finish_reason="stop", json=value))
