@@ -166,3 +166,51 @@ def test_stop_string_in_the_closing_text_cuts_it(tiny_engine_factory):
     [r] = eng.generate(["x"], SamplingParams(max_tokens=10, stop=["!"]), regex="abc!")
     assert r.text == "abc" and r.finish_reason == "stop" and r.stop_reason == "!"
     assert r.parsed is None and r.error_type == "truncated"
+
+
+def test_penalty_params_are_validated():
+    for bad in ({"repetition_penalty": 0}, {"presence_penalty": 2.5}, {"frequency_penalty": -3}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert not SamplingParams().penalized and SamplingParams(presence_penalty=0.5).penalized
+
+
+def test_apply_penalties_matches_a_per_token_reference():
+    import torch
+
+    from constrained_serve.request import Request
+    from constrained_serve.sampler import apply_penalties
+
+    torch.manual_seed(0)
+    vocab = 40
+    params = [SamplingParams(repetition_penalty=1.5), SamplingParams(),
+              SamplingParams(presence_penalty=0.7, frequency_penalty=0.3),
+              SamplingParams(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.0)]
+    reqs = []
+    for k, p in enumerate(params):
+        r = Request(prompt_ids=[1, 2, 3, 3, 5 + k], params=p)
+        r.token_ids += [3, 7, 7, 7, 9, 2 * k + 10]
+        reqs.append(r)
+    logits = torch.randn(len(reqs), vocab)
+    expected = logits.clone()
+    for i, r in enumerate(reqs):
+        p = r.params
+        for t in set(r.token_ids):
+            v = expected[i, t]
+            expected[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        for t in set(r.output_ids):
+            expected[i, t] -= p.presence_penalty + p.frequency_penalty * r.output_ids.count(t)
+    apply_penalties(logits, reqs)
+    assert torch.allclose(logits, expected, atol=1e-6)
+
+
+def test_presence_penalty_stops_repeats_and_keeps_the_grammar(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompt = "Tell me a story"
+    [free] = eng.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert len(set(free.token_ids)) < len(free.token_ids), "the tiny model was expected to repeat itself"
+    [pen] = eng.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=2.0))
+    assert len(set(pen.token_ids)) == len(pen.token_ids)
+    [con] = eng.generate([prompt], SamplingParams(max_tokens=24, frequency_penalty=2.0, repetition_penalty=1.5),
+                         regex="[ab]{6}")
+    assert con.ok and len(con.text) == 6 and set(con.text) <= {"a", "b"}

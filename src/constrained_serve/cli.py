@@ -51,6 +51,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="generated tokens per row (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, help="seed for sampling with temperature > 0 (per-row reproducible)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="> 1 discourages repeating prompt or output tokens (default 1: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +143,8 @@ def _sampling(args: argparse.Namespace) -> Any:
     from .params import SamplingParams
 
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                              repetition_penalty=args.repetition_penalty)
     except ValueError as e:
         raise SetupError(str(e)) from None
 

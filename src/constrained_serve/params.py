@@ -23,6 +23,13 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    # As in vLLM/OpenAI, applied to the logits before the grammar mask and temperature.
+    # repetition_penalty: > 1 discourages every token already in the prompt or output
+    # (positive logits divided by it, negative ones multiplied); presence_penalty subtracts
+    # a constant from each token already in the output, frequency_penalty that much per use.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +50,15 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

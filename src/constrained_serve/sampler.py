@@ -1,6 +1,7 @@
 """Turns a step's logits into tokens: per-row parameters -> tensors -> one dispatch call.
 
-The grammar bitmask is applied inside the sampling kernel, before temperature and
+Repetition/presence/frequency penalties adjust the logits first (torch, on any device); the
+grammar bitmask is applied inside the sampling kernel, before temperature and
 top-k/top-p/min-p. Seeds are mixed with the token position, so a seeded request draws the
 same tokens whatever else shares the batch.
 """
@@ -22,6 +23,41 @@ def step_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 29)) & _MASK64
 
 
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition, presence and frequency penalties (SamplingParams), in place on the rows of
+    the requests that set any; one vectorized update over all of them. A token's
+    (row, id) pairs are deduplicated with counts, so each is penalized once per row (with
+    its output count for frequency_penalty)."""
+    rows = [(i, r) for i, r in enumerate(requests) if r.params.penalized]
+    if not rows:
+        return
+    vocab, dev = logits.shape[1], logits.device
+
+    def unique_pairs(token_lists: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        keys = torch.tensor([i * vocab + t for i, toks in token_lists for t in toks], dtype=torch.int64)
+        keys, counts = keys.unique(return_counts=True)
+        keys, counts = keys.to(dev), counts.to(dev)
+        return keys // vocab, keys % vocab, counts
+
+    rep = [(i, r.token_ids) for i, r in rows if r.params.repetition_penalty != 1.0]
+    if rep:
+        factor = torch.ones(len(requests), dtype=logits.dtype)
+        for i, r in rows:
+            factor[i] = r.params.repetition_penalty
+        row, tok, _ = unique_pairs(rep)
+        vals, f = logits[row, tok], factor.to(dev)[row]
+        logits[row, tok] = torch.where(vals > 0, vals / f, vals * f)
+    additive = [(i, r.output_ids) for i, r in rows if r.params.presence_penalty or r.params.frequency_penalty]
+    if additive and any(toks for _, toks in additive):
+        pres = torch.zeros(len(requests), dtype=torch.float32)
+        freq = torch.zeros(len(requests), dtype=torch.float32)
+        for i, r in rows:
+            pres[i], freq[i] = r.params.presence_penalty, r.params.frequency_penalty
+        row, tok, counts = unique_pairs(additive)
+        pres, freq = pres.to(dev)[row], freq.to(dev)[row]
+        logits[row, tok] -= (pres + freq * counts).to(logits.dtype)
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -29,6 +65,7 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request], bitmask: torch.Tensor | None) -> list[int]:
         ps = [r.params for r in requests]
+        apply_penalties(logits, requests)
         all_greedy = all(p.temperature == 0.0 for p in ps)
         dev = self.device
         if bitmask is not None:

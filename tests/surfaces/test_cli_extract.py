@@ -48,6 +48,7 @@ def test_setup_errors_exit_2_before_any_row(tmp_path, capsys) -> None:
         (["extract", str(good), "-o", str(out), "--schema", "no_such_module:Model"], "cannot import"),
         (["extract", str(good), "-o", str(out), "--schema", SCHEMA, "--regex", "a+"], "only one of"),
         (["extract", str(good), "-o", str(out), "--template", "{"], "bad --template"),
+        (["extract", str(good), "-o", str(out), "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
         (["extract", str(good), "-o", str(out), "--schema", SCHEMA, "--model", str(tmp_path / "nope.gguf")],
          "cannot load"),
     ]
