@@ -214,3 +214,45 @@ def test_presence_penalty_stops_repeats_and_keeps_the_grammar(tiny_engine_factor
     [con] = eng.generate([prompt], SamplingParams(max_tokens=24, frequency_penalty=2.0, repetition_penalty=1.5),
                          regex="[ab]{6}")
     assert con.ok and len(con.text) == 6 and set(con.text) <= {"a", "b"}
+
+
+def test_logprobs_are_the_models_raw_log_softmax(tiny_engine_factory, tiny_llama_dir):
+    """Each sampled token's logprob and the top-k match HF transformers' log_softmax at that
+    position (the raw distribution: before penalties, the grammar mask and temperature)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    eng = tiny_engine_factory()
+    p = SamplingParams(max_tokens=6, temperature=0.9, seed=3, logprobs=3, presence_penalty=1.0)
+    [r] = eng.generate(["The capital of France is"], p, regex="[a-z ]{6,12}")
+    prompt = eng.encode_prompt("The capital of France is")
+    assert len(r.logprobs) == len(r.token_ids) >= 2 and r.usage.forced_tokens == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + r.token_ids])).logits[0].float(), -1)
+    for j, (tok, entry) in enumerate(zip(r.token_ids, r.logprobs)):
+        row = ref[len(prompt) + j - 1]
+        assert list(entry)[0] == tok and abs(entry[tok] - row[tok].item()) < 1e-4
+        top = row.topk(3).indices.tolist()
+        assert set(entry) == {tok, *top}
+        assert all(abs(entry[t] - row[t].item()) < 1e-4 for t in top)
+    [plain] = eng.generate(["The capital of France is"], SamplingParams(max_tokens=2))
+    assert plain.logprobs is None
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_logprobs_of_forced_tokens(tiny_engine_factory, fast_forward):
+    """Forced tokens are never scored under fast-forward (None); without it they are sampled
+    under a one-token mask and get their raw logprob like any other."""
+    eng = tiny_engine_factory(fast_forward=fast_forward)
+    [r] = eng.generate(["x"], SamplingParams(max_tokens=12, logprobs=0), regex="alpha beta gamma [ab]{2}")
+    assert r.ok and len(r.logprobs) == len(r.token_ids)
+    forced = [e is None for e in r.logprobs]
+    assert sum(forced) == (r.usage.forced_tokens if fast_forward else 0)
+    assert all(len(e) == 1 and e[t] <= 0 for t, e in zip(r.token_ids, r.logprobs) if e is not None)
+
+
+def test_logprobs_param_is_validated():
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad)

@@ -184,7 +184,7 @@ class Engine:
                      usage=Usage(prompt_tokens=r.num_prompt, cached_tokens=r.num_cached,
                                  completion_tokens=r.num_output, forced_tokens=r.num_forced),
                      error=r.error, error_type=r.error_type, index=r.index, prompt=prompt,
-                     stop_reason=r.stop_reason)
+                     stop_reason=r.stop_reason, logprobs=r.logprobs)
         if r.spec is not None and res.error is None:
             if res.finish_reason == "length":
                 res.error_type = "truncated"

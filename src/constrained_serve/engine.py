@@ -99,6 +99,8 @@ class EngineCore:
             logger.warning("grammar refused its own forced tokens %s", forced)
             return []
         r.token_ids.extend(forced)
+        if r.logprobs is not None:  # never sampled, so never scored: fast_forward=False scores them
+            r.logprobs.extend([None] * len(forced))
         r.num_forced += len(forced)
         self._emit(r, forced)
         return forced
@@ -128,8 +130,8 @@ class EngineCore:
         else:
             logits = self.runner.forward(inputs)  # on CUDA: launched, not waited for
             bitmask = self._fill_masks(reqs)
-        tokens = self.sampler(logits, reqs, bitmask) if reqs else []
-        self._update(batch, tokens)
+        tokens, logprobs = self.sampler.sample(logits, reqs, bitmask) if reqs else ([], None)
+        self._update(batch, tokens, logprobs)
         self.num_steps += 1
         if self.check_each_step:
             self.check_integrity()
@@ -154,16 +156,18 @@ class EngineCore:
             self.grammar.fill_bitmask(rows, bitmask)
         return bitmask
 
-    def _update(self, batch: Batch, tokens: list[int]) -> None:
+    def _update(self, batch: Batch, tokens: list[int], logprobs: list | None = None) -> None:
         for c in batch.chunks:
             c.request.num_computed += c.num_new
             if c.num_new > 1:
                 # Publish prefill progress to the prefix cache now, not at finish, so requests
                 # waiting on the same prefix (admitted next step) reuse these pages.
                 self.kv.share_progress(c.request)
-        for c, tok in zip(batch.sampling_chunks, tokens):
+        for j, (c, tok) in enumerate(zip(batch.sampling_chunks, tokens)):
             r = c.request
             r.token_ids.append(tok)
+            if r.logprobs is not None:
+                r.logprobs.append(logprobs[j] if logprobs is not None else None)
             if r.matcher is not None and not r.matcher.accept_tokens([tok]):
                 why = self._rejection_message(r, tok)
                 self._emit(r, [tok])

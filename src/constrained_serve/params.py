@@ -30,6 +30,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Log-probabilities of each sampled token (0) and of the k most likely tokens (k >= 1),
+    # from the model's raw distribution: before penalties, the grammar mask and temperature
+    # (vLLM's default "raw_logprobs"). None: off.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +56,9 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)!r}")

@@ -54,10 +54,14 @@ class Request:
     num_preemptions: int = 0
     detok: Any = None
     stop_scanned: int = 0  # characters of detok.text already searched for stop strings
+    # Per output token when params.logprobs is set: {token: logprob, ...}; None for forced tokens.
+    logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def num_prompt(self) -> int:

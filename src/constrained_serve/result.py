@@ -32,6 +32,10 @@ class Result:
     # As in vLLM: the stop string or stop token id (SamplingParams.stop / stop_token_ids)
     # that ended the output; None when EOS, the grammar's end or a limit ended it.
     stop_reason: int | str | None = None
+    # With SamplingParams(logprobs=k): one entry per token_ids entry, {token id: logprob} for
+    # the sampled token then the k most likely (raw model distribution); None for a token
+    # the grammar forced (never scored; Engine(fast_forward=False) samples and scores them).
+    logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def ok(self) -> bool:

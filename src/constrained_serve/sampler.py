@@ -7,6 +7,8 @@ same tokens whatever else shares the batch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .kernels import dispatch
@@ -58,9 +60,50 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         logits[row, tok] -= (pres + freq * counts).to(logits.dtype)
 
 
+@dataclass
+class RawLogprobs:
+    """log_softmax of the raw logits of the rows whose request asked for logprobs, kept
+    until the step's tokens are known."""
+    rows: list[int]  # batch rows that asked
+    logprobs: torch.Tensor  # [len(rows), V] fp32
+    top_ids: list[list[int]]  # per asking row, its k most likely tokens (k = its params.logprobs)
+    top_values: list[list[float]]
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, requests: list[Request]) -> "RawLogprobs | None":
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return None
+        ks = [requests[i].params.logprobs for i in rows]
+        lp = torch.log_softmax(logits[rows].float(), dim=-1)
+        top_ids: list[list[int]] = [[] for _ in rows]
+        top_values: list[list[float]] = [[] for _ in rows]
+        if max(ks):
+            values, ids = lp.topk(max(ks), dim=-1)
+            for j, (k, v, t) in enumerate(zip(ks, values.tolist(), ids.tolist())):
+                top_ids[j], top_values[j] = t[:k], v[:k]
+        return cls(rows, lp, top_ids, top_values)
+
+    def for_tokens(self, tokens: list[int], num_rows: int) -> list[dict[int, float] | None]:
+        """Per batch row: {sampled token: logprob, then the top-k}; None for rows that did not ask."""
+        picked = self.logprobs[torch.arange(len(self.rows)), torch.tensor([tokens[i] for i in self.rows])]
+        out: list[dict[int, float] | None] = [None] * num_rows
+        for j, (i, value) in enumerate(zip(self.rows, picked.tolist())):
+            out[i] = {tokens[i]: value, **dict(zip(self.top_ids[j], self.top_values[j]))}
+        return out
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               bitmask: torch.Tensor | None) -> tuple[list[int], list[dict[int, float] | None] | None]:
+        """Tokens, and per row the logprobs its request asked for (None when no row asked)."""
+        raw = RawLogprobs.of(logits, requests)  # before the penalties change the logits
+        tokens = self(logits, requests, bitmask)
+        return tokens, (raw.for_tokens(tokens, len(requests)) if raw is not None else None)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request], bitmask: torch.Tensor | None) -> list[int]:
