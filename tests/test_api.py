@@ -120,3 +120,23 @@ def test_chat_refuses_a_bare_string_or_message(tiny_engine_factory):
     for wrong in ("hello", {"role": "user", "content": "hello"}):
         with pytest.raises(TypeError, match="list of .*messages.*generate"):
             eng.chat(wrong, SamplingParams(max_tokens=2))
+
+
+def test_start_up_imports_no_torch_compiler(tiny_llama_dir):
+    """The first constrained request used to spend ~3 s importing torch's compiler stack
+    (llguidance.torch's module-level torch.compile; nn.Embedding's init on the meta device
+    imported torch._dynamo). Fresh interpreter: build an engine, run one constrained request."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from constrained_serve import Engine, SamplingParams\n"
+        f"e = Engine(model={str(tiny_llama_dir)!r})\n"
+        "e.generate(['x'], SamplingParams(max_tokens=3), regex='[ab]+')\n"
+        "print(sorted(m for m in ('llguidance.torch', 'torch._inductor.compile_fx', 'torch._dynamo')"
+        " if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -13,7 +13,6 @@ from typing import Any, Sequence
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 from llguidance import LLExecutor, LLMatcher
 
@@ -71,7 +70,7 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         _check_bitmask(bitmask, self._width)
-        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        _fill_row(self._m, bitmask, row)
 
     def forced_tokens(self) -> list[int]:
         if self._m.is_stopped():
@@ -99,6 +98,14 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def error(self) -> str:
         return self._m.get_error()
+
+
+def _fill_row(matcher: LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """What llguidance.torch.fill_next_token_bitmask does, without importing llguidance.torch:
+    its module-level torch.compile pulls in torch._dynamo and inductor, ~3 s on the first
+    constrained request. ``bitmask`` is checked (contiguous int32 [rows, width]) by the caller."""
+    v = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
 
 def _check_bitmask(bitmask: torch.Tensor, width: int) -> None:
@@ -189,7 +196,8 @@ class LLGuidanceBackend(GrammarBackend):
         _check_bitmask(bitmask, self.width)
         pairs = [(m.raw, row) for row, m in rows_and_matchers]  # type: ignore[attr-defined]
         if len(pairs) == 1:
-            llguidance.torch.fill_next_token_bitmask(pairs[0][0], bitmask, pairs[0][1])
+            _fill_row(pairs[0][0], bitmask, pairs[0][1])
         else:
-            # Rust thread pool, GIL released for the whole batch.
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+            # Rust thread pool, GIL released for the whole batch (the bitmask is checked
+            # contiguous int32 [rows, width] above).
+            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.width * 4, bitmask.shape[0])

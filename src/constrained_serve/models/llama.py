@@ -196,7 +196,10 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config, max_positions: int | None = None) -> None:
         super().__init__()
         self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Uninitialised on purpose (the loader fills every weight): nn.Embedding's own init,
+        # normal_ on the meta device the loader builds on, imports torch._dynamo (~1 s).
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
