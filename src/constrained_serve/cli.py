@@ -195,7 +195,8 @@ def _open_input(path: str) -> Any:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    from .extract import JobStats, OutputFileError, PromptBuilder, count_rows, open_sinks, read_items, run_extract
+    from .extract import JobStats, PromptBuilder, count_rows, read_items, run_extract
+    from .extract_output import OutputFileError, open_sinks
 
     if args.max_in_flight < 1:
         raise SetupError("--max-in-flight must be at least 1")

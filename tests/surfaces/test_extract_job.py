@@ -17,14 +17,12 @@ from constrained_serve.extract import (
     NOT_OBJECT,
     TRUNCATED,
     JobStats,
-    OutputFileError,
     PromptBuilder,
-    open_sinks,
     read_items,
     result_row,
-    row_key,
     run_extract,
 )
+from constrained_serve.extract_output import OutputFileError, open_sinks, row_key
 
 
 def lines(*texts: str | bytes) -> list[bytes]:
