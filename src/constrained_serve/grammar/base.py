@@ -20,11 +20,16 @@ import torch
 from ..kernels.sampling import unpack_bitmask
 from ..params import OutputSpec
 
-__all__ = ["CompiledGrammar", "GrammarBackend", "GrammarMatcher", "bitmask_width"]
+__all__ = ["CompiledGrammar", "GrammarBackend", "GrammarMatcher", "allocate_bitmask", "bitmask_width"]
 
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """``[rows, ceil(vocab/32)]`` int32, all bits set (= no constraint)."""
+    return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
 
 
 @dataclass(eq=False)
@@ -106,7 +111,7 @@ class GrammarBackend(abc.ABC):
 
     def only_eos_allowed(self, matcher: GrammarMatcher) -> bool:
         """The matcher's next-token mask allows no token but EOS (one mask fill)."""
-        row = torch.full((1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        row = allocate_bitmask(1, self.vocab_size)
         matcher.fill_bitmask(row, 0)
         allowed = unpack_bitmask(row, self.vocab_size)[0]
         allowed[[t for t in self.eos_token_ids if t < self.vocab_size]] = False

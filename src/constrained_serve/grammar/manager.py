@@ -26,7 +26,7 @@ import torch
 
 from ..errors import GrammarError
 from ..params import OutputSpec
-from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
+from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, allocate_bitmask, bitmask_width
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class GrammarManager:
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """``[rows, ceil(vocab/32)]`` int32, all bits set (= no constraint)."""
-        return torch.full((rows, self.width), -1, dtype=torch.int32)
+        return allocate_bitmask(rows, self.vocab_size)
 
     def fill_bitmask(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
         """Fill only the given rows; other rows keep their contents (e.g. -1 for free rows)."""
