@@ -41,22 +41,18 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         keys, counts = keys.to(dev), counts.to(dev)
         return keys // vocab, keys % vocab, counts
 
+    def per_row(name: str) -> torch.Tensor:  # one value per batch row (rows without penalties: unused)
+        return torch.tensor([getattr(r.params, name) for r in requests], dtype=torch.float32, device=dev)
+
     rep = [(i, r.token_ids) for i, r in rows if r.params.repetition_penalty != 1.0]
     if rep:
-        factor = torch.ones(len(requests), dtype=logits.dtype)
-        for i, r in rows:
-            factor[i] = r.params.repetition_penalty
         row, tok, _ = unique_pairs(rep)
-        vals, f = logits[row, tok], factor.to(dev)[row]
+        vals, f = logits[row, tok], per_row("repetition_penalty")[row].to(logits.dtype)
         logits[row, tok] = torch.where(vals > 0, vals / f, vals * f)
     additive = [(i, r.output_ids) for i, r in rows if r.params.presence_penalty or r.params.frequency_penalty]
     if additive and any(toks for _, toks in additive):
-        pres = torch.zeros(len(requests), dtype=torch.float32)
-        freq = torch.zeros(len(requests), dtype=torch.float32)
-        for i, r in rows:
-            pres[i], freq[i] = r.params.presence_penalty, r.params.frequency_penalty
         row, tok, counts = unique_pairs(additive)
-        pres, freq = pres.to(dev)[row], freq.to(dev)[row]
+        pres, freq = per_row("presence_penalty")[row], per_row("frequency_penalty")[row]
         logits[row, tok] -= (pres + freq * counts).to(logits.dtype)
 
 
