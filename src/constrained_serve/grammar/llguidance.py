@@ -186,7 +186,7 @@ class LLGuidanceBackend(GrammarBackend):
     def matches(self, compiled: CompiledGrammar, text: str) -> bool:
         # llguidance matches bytes, so any tokenization of the text will do; tokenize_str
         # spells it exactly (no prefix space, unlike some HF tokenizers' encode).
-        m = compiled.handle.deep_copy()
+        m = self.new_matcher(compiled).raw
         ids = self.ll_tokenizer.tokenize_str(text)
         return m.try_consume_tokens(ids) == len(ids) and not m.is_error() and m.is_accepting()
 

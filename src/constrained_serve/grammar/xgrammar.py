@@ -286,7 +286,7 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.handle, override_stop_tokens=self.eos_token_ids), self)
 
     def matches(self, compiled: CompiledGrammar, text: str) -> bool:
-        m = xgr.GrammarMatcher(compiled.handle, override_stop_tokens=self.eos_token_ids)
+        m = self.new_matcher(compiled).raw
         return (not text or m.accept_string(text)) and m.is_completed()
 
     def fill_bitmasks(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
