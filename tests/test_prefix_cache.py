@@ -125,6 +125,29 @@ def test_conversation_pin_limit_falls_back(tiny_engine_factory):
     conv.close()
 
 
+def test_pinned_history_gives_way_to_a_request_that_fits(tiny_engine_factory):
+    """An open conversation's pin must never make a request under max_model_len fail: when
+    the pool runs out, pins are dropped, and the conversation recomputes what was evicted."""
+    eng = tiny_engine_factory(kv_cache_tokens=256, page_size=16)  # 16 pages; pins may take 8
+    eng.core.check_each_step = True
+    p = SamplingParams(max_tokens=40, ignore_eos=True)
+    conv = eng.conversation(system="You are a storyteller. " * 3)
+    conv.send("Tell a long story.", p)
+    assert len(conv.pages) >= 4
+    ids = eng.encode_prompt("hello " * 250)[:200]
+    [r] = eng.generate([ids], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert r.error is None and r.finish_reason == "length" and len(r.token_ids) == 50
+    fresh = tiny_engine_factory(enable_prefix_cache=False)
+    assert fresh.generate([ids], SamplingParams(max_tokens=50, ignore_eos=True))[0].token_ids == r.token_ids
+    r2 = conv.send("Go on.", SamplingParams(max_tokens=5, ignore_eos=True))
+    last_prompt = conv.token_ids[: len(conv.token_ids) - 6]
+    assert r2.error is None
+    assert fresh.generate([last_prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids == r2.token_ids
+    assert conv.pages  # pinned again at its turn
+    conv.close()
+    eng.core.check_integrity()
+
+
 @pytest.mark.slow
 def test_three_turn_conversation_default_model(default_engine):
     eng = default_engine

@@ -6,7 +6,9 @@ by the chat template as the difference between the conversation with and without
 only that difference is tokenized and appended. The radix cache then matches the whole
 history, so only the new turn is prefilled. While the conversation is open its history is
 locked against eviction, up to ``conversation_lock_fraction`` of the pool; past that it is
-left evictable (a later turn recomputes what was evicted, never fails).
+left evictable (a later turn recomputes what was evicted, never fails). When running requests
+need the pages, every pin is dropped: the history stays cached until evicted, and is pinned
+again at the conversation's next turn.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ class Conversation:
     def _pin(self) -> None:
         """Lock the cached history so eviction cannot take it while the conversation is open."""
         with self.engine._core_lock:  # the radix tree and page refcounts are the core's
-            self._unpin()
+            self.unpin()
             kv = self.engine.kv
             if kv.radix is None:
                 return
@@ -91,7 +93,8 @@ class Conversation:
             kv.pool.incref(m.pages)
             self._node, self.pages = m.node, list(m.pages)
 
-    def _unpin(self) -> None:
+    def unpin(self) -> None:
+        """Make the cached history evictable again (the engine calls this when out of pages)."""
         with self.engine._core_lock:
             if self._node is not None:
                 self.engine.kv.radix.unlock(self._node)
@@ -101,7 +104,7 @@ class Conversation:
     def close(self) -> None:
         if not self.closed:
             with self.engine._core_lock:
-                self._unpin()
+                self.unpin()
                 self.engine.core.page_holders.discard(self)
             self.closed = True
 

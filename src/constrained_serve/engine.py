@@ -49,6 +49,15 @@ class EngineCore:
         self.check_each_step = False  # tests turn this on: integrity check after every step
         self.finished_queue: list[Request] = []
         self.page_holders: set = set()  # open conversations pinning cached pages
+        kv.release_pins = self._release_pins
+
+    def _release_pins(self) -> None:
+        """Out of pages: unpin every open conversation's history (see KVCacheManager)."""
+        pinned = [c for c in self.page_holders if c.pages]
+        if pinned:
+            logger.info("KV cache full: unpinning the history of %d open conversation(s)", len(pinned))
+        for c in pinned:
+            c.unpin()
 
     # ------------------------------------------------------------------ requests
     def add(self, r: Request) -> None:

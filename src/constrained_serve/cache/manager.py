@@ -21,6 +21,10 @@ class KVCacheManager:
     def __init__(self, pool: PagePool, radix=None,
                  copy_page_prefix: Callable[[int, int, int], None] | None = None) -> None:
         self.pool = pool
+        # Called when eviction alone cannot free enough pages: lets open conversations drop
+        # the lock on their cached history (running work beats idle history; a conversation
+        # whose history is then evicted recomputes it on its next turn). Set by the engine.
+        self.release_pins: Callable[[], None] | None = None
         self.page_size = pool.page_size
         self.radix = radix  # RadixCache or None (prefix caching off)
         # copy_page_prefix(src, dst, n): copy the KV of the first n slots of page src into page
@@ -65,6 +69,9 @@ class KVCacheManager:
         """n fresh pages, evicting cached ones if needed; None when even that is not enough."""
         if self.pool.num_free < n and self.radix is not None:
             self.radix.evict(n - self.pool.num_free)
+            if self.pool.num_free < n and self.release_pins is not None:
+                self.release_pins()
+                self.radix.evict(n - self.pool.num_free)
         try:
             return self.pool.allocate(n)
         except OutOfPages:
