@@ -76,6 +76,11 @@ def test_stop_token_ids_and_max_tokens(tiny_engine_factory):
     r = eng.generate("Once upon", SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[tok]))[0]
     assert r.finish_reason == "stop" and r.token_ids[-1] == tok and tok not in r.token_ids[:-1]
     assert r.stop_reason == tok and free.stop_reason is None
+    # As in vLLM, the stop token stays in token_ids but its text is not part of the output.
+    before = eng.tokenizer.decode(r.token_ids[:-1])
+    assert r.text == before and free.text.startswith(before + eng.tokenizer.decode([tok]))
+    assert "".join(eng.stream("Once upon", SamplingParams(max_tokens=10, ignore_eos=True,
+                                                          stop_token_ids=[tok]))) == r.text
 
 
 def test_sampler_filters():
@@ -130,6 +135,7 @@ def test_stop_token_among_forced_tokens_ends_there(tiny_engine_factory, fast_for
     stop = ids[len(ids) // 2]
     [r] = eng.generate(["x"], SamplingParams(max_tokens=30, stop_token_ids=[stop]), regex=text + "!")
     assert r.token_ids == ids[: len(ids) // 2 + 1]
+    assert r.text == eng.tokenizer.decode(ids[: len(ids) // 2])  # without the stop token's text
     assert r.finish_reason == "stop" and r.stop_reason == stop
     assert (r.usage.forced_tokens > 0) == fast_forward
     assert r.parsed is None and r.error_type == "truncated" and "stop token" in r.error

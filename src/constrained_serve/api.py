@@ -18,7 +18,6 @@ from .cache.manager import KVCacheManager
 from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
-from .detokenizer import cut_at_stop
 from .engine import EngineCore
 from .errors import GrammarError, OutputError, OutputValidationError, PromptTooLongError
 from .models import loader
@@ -179,7 +178,7 @@ class Engine:
     # ------------------------------------------------------------------ outputs
     def _result(self, r: Request, prompt: Any = None, raise_on_error: bool = False) -> Result:
         r.detok.flush()
-        text = cut_at_stop(r.detok.text, r.params.stop, final=True)
+        text = r.visible_text(final=True)
         res = Result(text=text, token_ids=r.output_ids, finish_reason=r.finish_reason or "abort",
                      usage=Usage(prompt_tokens=r.num_prompt, cached_tokens=r.num_cached,
                                  completion_tokens=r.num_output, forced_tokens=r.num_forced),
@@ -366,7 +365,7 @@ class Engine:
                         self.core.step()
                     if r.finished:
                         r.detok.flush()
-                    text = cut_at_stop(r.detok.text, params.stop, final=r.finished)
+                    text = r.visible_text(final=r.finished)
                 if len(text) > shown:
                     yield text[shown:]
                     shown = len(text)

@@ -111,7 +111,11 @@ class EngineCore:
         if r.logprobs is not None:  # never sampled, so never scored: fast_forward=False scores them
             r.logprobs.extend([None] * len(forced))
         r.num_forced += len(forced)
-        self._emit(r, forced)
+        if cut is not None:  # the stop token on its own, so that its text can be left out
+            self._emit(r, forced[:-1])
+            self._emit(r, forced[-1:])
+        else:
+            self._emit(r, forced)
         return forced
 
     # ------------------------------------------------------------------ the step
@@ -198,6 +202,7 @@ class EngineCore:
         return f"grammar rejected sampled token {tok}, which its own mask allowed"
 
     def _emit(self, r: Request, toks: list[int]) -> None:
+        r.text_mark = len(r.detok.text)
         r.detok.push(toks)  # stop strings are matched on this text; Engine.stream reads it
 
     def _check_stop(self, r: Request, new: list[int]) -> bool:
@@ -207,6 +212,7 @@ class EngineCore:
             reason = "stop"
         elif new and new[-1] in p.stop_token_ids:
             reason, r.stop_reason = "stop", new[-1]
+            r.text_end = r.text_mark  # the stop token's text is not part of the output
         elif p.stop and (seen := self._stop_string_seen(r)) is not None:
             # Before the grammar's end: a stop string in the closing text (a "}") cuts it.
             reason, r.stop_reason = "stop", seen

@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from .detokenizer import cut_at_stop
 from .params import OutputSpec, SamplingParams
 
 _ids = itertools.count()
@@ -54,6 +55,8 @@ class Request:
     num_preemptions: int = 0
     detok: Any = None
     stop_scanned: int = 0  # characters of detok.text already searched for stop strings
+    text_mark: int = 0  # len(detok.text) before the latest tokens were pushed
+    text_end: int | None = None  # set by a stop token: its text is left out, as in vLLM
     # Per output token when params.logprobs is set: {token: logprob, ...}; None for forced tokens.
     logprobs: list[dict[int, float] | None] | None = None
 
@@ -86,3 +89,9 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def visible_text(self, final: bool) -> str:
+        """The output text a user sees: without the text of a stop token, cut before the
+        first stop string (and, while it can still grow, before a tail that may start one)."""
+        text = self.detok.text if self.text_end is None else self.detok.text[:self.text_end]
+        return cut_at_stop(text, self.params.stop, final=final)
