@@ -115,6 +115,49 @@ def test_many_conversations_in_one_batch(tiny_engine_factory):
     eng.core.check_integrity()
 
 
+def test_conversation_history_is_the_text_a_stop_left(tiny_engine_factory):
+    """After a stop string (ending inside a token) or a stop token, the conversation goes on
+    from the text the user saw, not from the tokens the model wrote past it."""
+    eng = tiny_engine_factory()
+    with eng.conversation() as conv:
+        free = conv.send("hi", SamplingParams(max_tokens=12, ignore_eos=True))
+    tok = eng.tokenizer
+    word = next(t for t in free.token_ids[3:] if len(tok.decode([t]).strip()) >= 3)
+    stop_str = tok.decode([word]).strip()[1:3]  # ends inside that token
+    end = tok.decode([tok.eos_token_id])
+    for params in (SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_str]),
+                   SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[word])):
+        with eng.conversation() as conv:
+            r = conv.send("hi", params)
+            assert r.stop_reason is not None and conv.history[-1]["content"] == r.text
+            assert tok.decode(conv.token_ids).endswith("assistant\n" + r.text + end)
+            r2 = conv.send("more", SamplingParams(max_tokens=3, ignore_eos=True))
+            assert r2.error is None and len(conv.history) == 4
+
+
+def test_a_second_turn_in_flight_is_refused(tiny_engine_factory):
+    """Two threads sending on one conversation would each build on the old history and the
+    second commit would drop the first turn's tokens: the second send is refused instead."""
+    import threading
+    import time
+
+    eng = tiny_engine_factory()
+    conv = eng.conversation()
+    done = []
+    t = threading.Thread(target=lambda: done.append(conv.send("first", SamplingParams(max_tokens=200,
+                                                                                      ignore_eos=True))))
+    t.start()
+    while not eng.core.has_work() and t.is_alive():  # the first turn is running
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="already has a turn in flight"):
+        conv.send("second", SamplingParams(max_tokens=3))
+    t.join()
+    assert [m["content"] for m in conv.history if m["role"] == "user"] == ["first"]
+    assert "first" in eng.tokenizer.decode(conv.token_ids) and done[0].error is None
+    conv.send("second", SamplingParams(max_tokens=3))  # one at a time is fine
+    conv.close()
+
+
 def test_conversation_pin_limit_falls_back(tiny_engine_factory):
     eng = tiny_engine_factory(conversation_lock_fraction=0.0)
     conv = eng.conversation()

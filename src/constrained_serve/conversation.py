@@ -13,8 +13,11 @@ again at the conversation's next turn.
 from __future__ import annotations
 
 import logging
+import threading
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .detokenizer import IncrementalDetokenizer
 from .params import SamplingParams
 from .result import Result
 
@@ -33,6 +36,7 @@ class Conversation:
         self.pages: list[int] = []  # pages this conversation pins (one pool ref each)
         self._node = None
         self.closed = False
+        self._turn = threading.Lock()  # held while a turn is in flight
         with engine._core_lock:
             engine.core.page_holders.add(self)
 
@@ -63,9 +67,13 @@ class Conversation:
         """Record a finished turn (called by send_many)."""
         if res.finish_reason == "abort" and not res.token_ids:
             return  # nothing happened: the history stays as it was
-        ids = list(prompt_ids) + list(res.token_ids)
+        out = list(res.token_ids)
+        if res.stop_reason is not None:
+            # A stop string or stop token cut the text: the history holds what the user saw.
+            out = _ids_for_text(self.engine.tokenizer, prompt_ids, out, res.text)
+        ids = list(prompt_ids) + out
         eos = self.engine.tokenizer.eos_token_id
-        if not res.token_ids or res.token_ids[-1] not in self.engine.core.eos_token_ids:
+        if not out or out[-1] not in self.engine.core.eos_token_ids:
             # Truncated or stopped by a stop string: close the turn so the template stays valid.
             ids.append(eos)
         self.token_ids = ids
@@ -121,6 +129,24 @@ class Conversation:
             pass
 
 
+def _ids_for_text(tokenizer, prompt_ids: list[int], out_ids: list[int], text: str) -> list[int]:
+    """Token ids whose text is exactly ``text``, a prefix of what ``out_ids`` decode to: the
+    model's own tokens as far as they lie inside it (their KV is cached), then the rest of
+    the text (a stop string may end inside a token) tokenized afresh."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids[-4:])
+    keep, done = 0, 0  # tokens kept, characters they cover
+    for i, t in enumerate(out_ids):
+        detok.push([t])
+        if len(detok.text) > len(text) or not text.startswith(detok.text):
+            break
+        if detok.read_offset == len(detok.ids):  # no bytes of a character held back
+            keep = i + 1
+            done = len(detok.text)
+    rest = text[done:]
+    tail = tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else []
+    return out_ids[:keep] + list(tail)
+
+
 def send_many(conversations: Sequence[Conversation], contents: Sequence[str],
               params: SamplingParams | None = None, **spec_kwargs: Any) -> list[Result]:
     """One turn for each conversation, all decoded together in one batch."""
@@ -128,10 +154,18 @@ def send_many(conversations: Sequence[Conversation], contents: Sequence[str],
         raise ValueError("conversations and contents must have the same length")
     if len({id(c) for c in conversations}) != len(conversations):
         raise ValueError("a conversation can take only one turn at a time")
-    engine = conversations[0].engine
-    ids = [c.next_turn_ids(m) for c, m in zip(conversations, contents)]
-    params = params or conversations[0].params
-    results = engine.generate(ids, params, **spec_kwargs)
-    for c, m, p, res in zip(conversations, contents, ids, results):
-        c.commit(m, p, res)
-    return results
+    with ExitStack() as turns:
+        for c in conversations:
+            # A second turn started before the first is committed would be built on the
+            # old history and overwrite the first: refuse it rather than corrupt the history.
+            if not c._turn.acquire(blocking=False):
+                raise RuntimeError("this conversation already has a turn in flight (another thread is "
+                                   "sending on it); a conversation takes one turn at a time")
+            turns.callback(c._turn.release)
+        engine = conversations[0].engine
+        ids = [c.next_turn_ids(m) for c, m in zip(conversations, contents)]
+        params = params or conversations[0].params
+        results = engine.generate(ids, params, **spec_kwargs)
+        for c, m, p, res in zip(conversations, contents, ids, results):
+            c.commit(m, p, res)
+        return results
