@@ -157,6 +157,35 @@ def test_dead_end_in_a_grammar_aborts_that_request_with_the_reason(tiny_engine_f
     assert rs[1].error is None and rs[1].finish_reason == "length"
 
 
+def test_a_backend_failing_mid_output_is_an_error_never_a_success(tiny_engine_factory):
+    """llguidance gives up on a parser row over 2,000 items (a rule with 2,001 alternatives)
+    and then reports itself "stopped": that must end the request as an abort carrying
+    llguidance's reason (one line of it), never as a finished, valid-looking output."""
+    eng = tiny_engine_factory()
+    wide = "start: " + " | ".join(f'"opt{i}"' for i in range(2001))
+    rs = eng.generate(["x", "y"], SamplingParams(max_tokens=8), grammar=[wide, None])
+    assert rs[0].finish_reason == "abort" and rs[0].error_type == "GrammarError", rs[0]
+    assert "llguidance failed after" in rs[0].error and "2000" in rs[0].error and "\n" not in rs[0].error
+    assert rs[1].error is None and rs[1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_thousands_of_choices(tiny_engine_factory, backend):
+    """Choices compile to one lexeme on llguidance, so its parser-row limit does not apply."""
+    eng = tiny_engine_factory(grammar_backend=backend)
+    choices = [f"opt{i}" for i in range(5000)] + ["yes", "yes!"]
+    rs = eng.generate(["x", "y"], [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=3)],
+                      choices=choices)
+    assert all(r.error is None and r.finish_reason == "stop" and r.text in choices for r in rs), rs
+
+
+def test_truncated_complete_match_says_it_may_be_cut(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    [r] = eng.generate(["x"], SamplingParams(max_tokens=3), regex="[a-z ]+")
+    assert r.finish_reason == "length" and r.parsed is None and r.error_type == "truncated"
+    assert "complete regex match but may be cut short" in r.error
+
+
 def test_per_prompt_spec_list_of_the_wrong_length_is_named(tiny_engine_factory):
     eng = tiny_engine_factory()
     p = SamplingParams(max_tokens=3)

@@ -105,7 +105,10 @@ class EngineCore:
         if not forced:
             return []
         if not r.matcher.accept_tokens(forced):
-            logger.warning("grammar refused its own forced tokens %s", forced)
+            if (failed := r.matcher.error()) is not None:
+                self.abort(r, "abort", self._backend_failure(r, failed), "GrammarError")
+            else:
+                logger.warning("grammar refused its own forced tokens %s", forced)
             return []
         r.token_ids.extend(forced)
         if r.logprobs is not None:  # never sampled, so never scored: fast_forward=False scores them
@@ -181,8 +184,11 @@ class EngineCore:
             r.token_ids.append(tok)
             if r.logprobs is not None:
                 r.logprobs.append(logprobs[j] if logprobs is not None else None)
-            if r.matcher is not None and not r.matcher.accept_tokens([tok]):
-                why = self._rejection_message(r, tok)
+            # A backend that failed while computing this step's mask (a parser limit) is in
+            # an error state already; one that refuses the token may be at a dead end.
+            failed = r.matcher.error() if r.matcher is not None else None
+            if r.matcher is not None and (failed is not None or not r.matcher.accept_tokens([tok])):
+                why = self._backend_failure(r, failed) if failed else self._rejection_message(r, tok)
                 self._emit(r, [tok])
                 self.abort(r, "abort", why, "GrammarError")
                 continue
@@ -201,11 +207,18 @@ class EngineCore:
                     f"({r.detok.text[-40:]!r}) and does not accept them: it cannot be completed")
         return f"grammar rejected sampled token {tok}, which its own mask allowed"
 
+    @staticmethod
+    def _backend_failure(r: Request, reason: str) -> str:
+        return (f"{r.matcher.backend_name} failed after {r.num_output} output tokens "
+                f"({r.detok.text[-40:]!r}): {reason}; the output is incomplete")
+
     def _emit(self, r: Request, toks: list[int]) -> None:
         r.text_mark = len(r.detok.text)
         r.detok.push(toks)  # stop strings are matched on this text; Engine.stream reads it
 
     def _check_stop(self, r: Request, new: list[int]) -> bool:
+        if r.finished:  # aborted by _fast_forward
+            return True
         p = r.params
         reason = None
         if new and not p.ignore_eos and new[-1] in self.eos_token_ids:

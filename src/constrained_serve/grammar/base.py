@@ -73,6 +73,11 @@ class GrammarMatcher(abc.ABC):
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens."""
 
+    def error(self) -> str | None:
+        """The backend's reason when it failed mid-output (a parser limit hit), else None.
+        A failed matcher is neither finished nor usable: the engine aborts its request."""
+        return None
+
 
 class GrammarBackend(abc.ABC):
     """One grammar engine bound to one tokenizer and one model vocabulary width."""

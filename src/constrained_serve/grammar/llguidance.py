@@ -80,7 +80,8 @@ class LLGuidanceMatcher(GrammarMatcher):
         return list(self._m.compute_ff_tokens())
 
     def is_finished(self) -> bool:
-        return self._m.is_stopped()
+        # llguidance also reports "stopped" in its error state (a parser limit hit mid-output).
+        return self._m.is_stopped() and not self._m.is_error()
 
     def can_end(self) -> bool:
         return not self._ended and not self._m.is_error() and self._m.is_accepting()
@@ -96,8 +97,16 @@ class LLGuidanceMatcher(GrammarMatcher):
         if n and not self._m.rollback(n):
             raise ValueError(f"llguidance: cannot roll back {n} tokens: {self._m.get_error()}")
 
-    def error(self) -> str:
-        return self._m.get_error()
+    def error(self) -> str | None:
+        if not self._m.is_error():
+            return None
+        # The first line is the reason; the rest dumps the parser state and the whole grammar.
+        full = self._m.get_error()
+        logger.debug("llguidance matcher error: %s", full)
+        reason = full.split("\n", 1)[0]
+        # NoExtension*: nothing can follow, i.e. a dead end in the spec, not a failure of
+        # llguidance; the engine's dead-end check explains those in the spec's terms.
+        return None if reason.startswith("NoExtension") else reason
 
 
 def _fill_row(matcher: LLMatcher, bitmask: torch.Tensor, row: int) -> None:
@@ -148,7 +157,9 @@ class LLGuidanceBackend(GrammarBackend):
         if spec.kind == "lark":
             return LLMatcher.grammar_from_lark(spec.text)
         if spec.kind == "choices":
-            lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(spec.text))
+            # One lexeme (the lexer's automaton) rather than one parser alternative per choice:
+            # Earley rows hold at most 2000 items, and the lexer is faster for long lists.
+            lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in json.loads(spec.text))
             return LLMatcher.grammar_from_lark(lark)
         if spec.kind == "ebnf":
             try:
