@@ -332,3 +332,51 @@ def test_xgrammar_eager_masks_option(tokenizer):
 def test_unknown_backend(manager):
     with pytest.raises(GrammarError, match="unknown grammar backend"):
         manager.compile(make_output_spec(regex="a"), "outlines")
+
+
+# Schemas whose keyword xgrammar (0.2.9) drops, with a text it then accepts that the schema
+# refuses. strict=False must show the approximation is real: if xgrammar ever enforces one,
+# this fails and the check can go.
+XGRAMMAR_DROPS = [
+    ({"type": "object", "required": ["zz"]}, "{}"),  # a required name not in properties
+    ({"type": "object", "properties": {"o": {"type": "object", "required": ["k"]}}, "required": ["o"]}, '{"o":{}}'),
+    ({"minLength": 3}, '"ab"'),  # string/number keywords without "type"
+    ({"minimum": 3}, "2"),
+    ({"anyOf": [{"type": "number"}, {"type": "null"}], "minimum": 0}, "-1"),
+    ({"enum": [1, "a"], "minLength": 3}, '"a"'),  # next to an enum only the enum is checked
+]
+
+
+@pytest.mark.parametrize("schema, text", XGRAMMAR_DROPS)
+def test_xgrammar_strict_refuses_keywords_it_would_drop(manager, schema, text):
+    import json
+
+    import jsonschema
+
+    with pytest.raises(GrammarError, match="strict=True"):
+        manager.compile(make_output_spec(schema=schema), "xgrammar")
+    loose = manager.compile(make_output_spec(schema=schema, strict=False), "xgrammar")
+    assert manager.matches(loose, text)
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "enum": ["abc", "xyz"], "minLength": 3},  # every enum value obeys
+    {"type": "array", "items": {"type": "integer"}, "required": ["0"]},  # required only binds objects
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+])
+def test_xgrammar_strict_keeps_exact_schemas(manager, schema):
+    assert not manager.compile(make_output_spec(schema=schema), "xgrammar").warnings
+
+
+def test_xgrammar_regex_means_what_python_means(manager):
+    from constrained_serve.grammar.xgrammar_gaps import xgrammar_regex
+
+    # "." excludes the newline (xgrammar's own "." does not); classes and escapes are kept.
+    assert xgrammar_regex(r"^a.c[.]\.[]x.][^].]$") == r"^a[^\n]c[.]\.[]x.][^].]$"
+    c = manager.compile(make_output_spec(regex="a.c"), "xgrammar")
+    assert manager.matches(c, "abc") and not manager.matches(c, "a\nc")
+    # Read otherwise by xgrammar: \A as the letter A, a "^" inside the pattern ignored.
+    for rx in (r"\Aab", r"ab\Z", "a^b", "a$b"):
+        with pytest.raises(GrammarError, match="as Python reads it"):
+            manager.compile(make_output_spec(regex=rx), "xgrammar")

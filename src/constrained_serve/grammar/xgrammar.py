@@ -2,13 +2,13 @@
 
 xgrammar silently ignores JSON Schema keywords it does not implement (``not``, ``if``,
 ``uniqueItems``, ``allOf`` merging, remote ``$ref``...), so with ``strict=True`` we refuse
-such schemas ourselves (``unsupported_schema_features``) before compiling.
+such schemas ourselves before compiling; regexes are brought to Python's meaning or refused
+(``xgrammar_gaps.py``).
 """
 from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from typing import Any, Sequence
 
@@ -18,125 +18,11 @@ import xgrammar as xgr
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
-from .spec import follow_local_refs, resolve_local_ref
+from .xgrammar_gaps import unsupported_schema_features, xgrammar_regex
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["XGrammarBackend", "XGrammarMatcher", "unsupported_schema_features"]
-
-# Validation keywords xgrammar's JSON Schema converter does not enforce (checked on 0.2.9).
-_IGNORED_KEYWORDS = frozenset({
-    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
-    "unevaluatedProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
-    "$dynamicRef", "$recursiveRef", "additionalItems",
-})
-_FORMATS = frozenset({
-    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
-    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-})
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("additionalProperties", "additionalItems", "propertyNames", "contains", "not",
-                  "if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "items")
-# Lookaround and backreferences: a regex engine without them would match something else.
-_UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|\\[1-9]|\\k<")
-
-
-def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
-                                seen: set[str] | None = None) -> list[str]:
-    """Where ``schema`` uses a feature xgrammar would silently drop or approximate. Local
-    ``$ref``s are followed (each target once), so subschemas kept outside the usual places
-    (``#/definitions/a/b``) are checked too."""
-    found: list[str] = []
-    if not isinstance(schema, dict):
-        return found
-    root = schema if root is None else root
-    seen = set() if seen is None else seen
-    for key in _IGNORED_KEYWORDS & schema.keys():
-        found.append(f"{path}/{key}")
-    if schema.get("uniqueItems") is True:
-        found.append(f"{path}/uniqueItems")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        found.append(f"{path}/allOf (merged approximately)")
-    one_of = schema.get("oneOf")
-    if isinstance(one_of, list) and len(one_of) > 1 and not _one_of_is_exact(one_of, root):
-        found.append(f"{path}/oneOf (treated as anyOf)")
-    # Combinations xgrammar 0.2.9 logs as "ignoring ..." (to stderr, which we cannot read).
-    if "multipleOf" in schema:
-        if schema.get("type") != "integer":
-            found.append(f"{path}/multipleOf (only enforced for integers)")
-        elif {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & schema.keys():
-            found.append(f"{path}/multipleOf (ignored together with a range)")
-    if ("format" in schema or "pattern" in schema) and ({"minLength", "maxLength"} & schema.keys()):
-        found.append(f"{path}/minLength/maxLength (ignored with format or pattern)")
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        found.append(f"{path}/$ref {ref!r} (not local)")
-    elif isinstance(ref, str) and ref not in seen:
-        seen.add(ref)
-        found += unsupported_schema_features(resolve_local_ref(root, ref), ref, root, seen)
-    fmt = schema.get("format")
-    if isinstance(fmt, str) and fmt not in _FORMATS:
-        found.append(f"{path}/format {fmt!r}")
-    pat = schema.get("pattern")
-    if isinstance(pat, str) and _UNSUPPORTED_REGEX.search(pat):
-        found.append(f"{path}/pattern {pat!r}")
-    for key in _SCHEMA_MAPS:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            for name, s in sub.items():
-                found += unsupported_schema_features(s, f"{path}/{key}/{name}", root, seen)
-    for key in _SCHEMA_LISTS:
-        sub = schema.get(key)
-        if isinstance(sub, list):
-            for i, s in enumerate(sub):
-                found += unsupported_schema_features(s, f"{path}/{key}/{i}", root, seen)
-    for key in _SCHEMA_VALUES:
-        sub = schema.get(key)
-        if isinstance(sub, list):  # draft-7 tuple "items"
-            for i, s in enumerate(sub):
-                found += unsupported_schema_features(s, f"{path}/{key}/{i}", root, seen)
-        else:
-            found += unsupported_schema_features(sub, f"{path}/{key}", root, seen)
-    return found
-
-
-def _one_of_is_exact(branches: list, root: Any) -> bool:
-    """xgrammar treats oneOf as anyOf, which is exact when no value can match two branches:
-    branches of distinct JSON types (every integer is also a number, so those two overlap),
-    or objects told apart by a required property that holds a different constant in each
-    (Pydantic's discriminated unions: ``{"kind": {"const": "cat"}}`` vs ``"dog"``)."""
-    resolved = [_deref(b, root) for b in branches]
-    if not all(isinstance(b, dict) for b in resolved):
-        return False
-    types = [b.get("type") for b in resolved]
-    if (all(isinstance(t, str) for t in types) and len(set(types)) == len(types)
-            and not {"integer", "number"} <= set(types)):
-        return True
-    # Without "type": "object" a branch also matches every non-object value.
-    if any(t != "object" or not isinstance(b.get("required"), list) for t, b in zip(types, resolved)):
-        return False
-    for name in sorted(set.intersection(*(set(map(str, b["required"])) for b in resolved))):
-        values = [_constant(_deref((b.get("properties") or {}).get(name), root)) for b in resolved]
-        if None not in values and len(set(values)) == len(values):
-            return True
-    return False
-
-
-def _deref(schema: Any, root: Any) -> Any:
-    """A branch that is only a local ``$ref`` stands for its target."""
-    return follow_local_refs(schema, root) if isinstance(schema, dict) and set(schema) == {"$ref"} else schema
-
-
-def _constant(schema: Any) -> str | None:
-    """The JSON text of the one value a ``const`` or one-item ``enum`` allows, else None."""
-    if isinstance(schema, dict):
-        if "const" in schema:
-            return json.dumps(schema["const"], sort_keys=True)
-        if isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
-            return json.dumps(schema["enum"][0], sort_keys=True)
-    return None
-
 
 class XGrammarMatcher(GrammarMatcher):
     backend_name = "xgrammar"
@@ -267,7 +153,7 @@ class XGrammarBackend(GrammarBackend):
                 # we keep JSON Schema semantics, the same as llguidance.
                 strict_mode=False)
         if spec.kind == "regex":
-            return c.compile_regex(spec.text)
+            return c.compile_regex(xgrammar_regex(spec.text))
         if spec.kind == "lark":
             return c.compile_lark(spec.text)
         if spec.kind == "ebnf":

@@ -1,0 +1,200 @@
+"""What xgrammar (checked on 0.2.9) would silently drop or read differently, found before
+compiling: JSON Schema keywords it does not enforce (refused under ``strict=True``), and
+regex syntax it reads otherwise than Python and llguidance do (brought to their meaning, or
+refused). Every case here was seen to accept text that the spec does not match.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from jsonschema import Draft202012Validator
+
+from ..errors import GrammarError
+from .spec import follow_local_refs, resolve_local_ref
+
+__all__ = ["unsupported_schema_features", "xgrammar_regex"]
+
+# Validation keywords xgrammar's JSON Schema converter does not enforce (checked on 0.2.9).
+_IGNORED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+    "unevaluatedProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
+    "$dynamicRef", "$recursiveRef", "additionalItems",
+})
+_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("additionalProperties", "additionalItems", "propertyNames", "contains", "not",
+                  "if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "items")
+# Lookaround and backreferences: a regex engine without them would match something else.
+# \A \Z \z \G: xgrammar reads them as the letters A, Z, z, G.
+_UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|\\[1-9]|\\k<|\\[AZzG]")
+# Keywords that only constrain strings or numbers: xgrammar drops them from a schema without
+# "type" (which it reads as any value), and next to "enum"/"const" (it checks only those).
+_SCALAR_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                              "minLength", "maxLength", "pattern", "format"})
+
+
+def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
+                                seen: set[str] | None = None) -> list[str]:
+    """Where ``schema`` uses a feature xgrammar would silently drop or approximate. Local
+    ``$ref``s are followed (each target once), so subschemas kept outside the usual places
+    (``#/definitions/a/b``) are checked too."""
+    found: list[str] = []
+    if not isinstance(schema, dict):
+        return found
+    root = schema if root is None else root
+    seen = set() if seen is None else seen
+    for key in _IGNORED_KEYWORDS & schema.keys():
+        found.append(f"{path}/{key}")
+    if schema.get("uniqueItems") is True:
+        found.append(f"{path}/uniqueItems")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        found.append(f"{path}/allOf (merged approximately)")
+    one_of = schema.get("oneOf")
+    if isinstance(one_of, list) and len(one_of) > 1 and not _one_of_is_exact(one_of, root):
+        found.append(f"{path}/oneOf (treated as anyOf)")
+    # Combinations xgrammar 0.2.9 logs as "ignoring ..." (to stderr, which we cannot read).
+    if "multipleOf" in schema:
+        if schema.get("type") != "integer":
+            found.append(f"{path}/multipleOf (only enforced for integers)")
+        elif {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & schema.keys():
+            found.append(f"{path}/multipleOf (ignored together with a range)")
+    if ("format" in schema or "pattern" in schema) and ({"minLength", "maxLength"} & schema.keys()):
+        found.append(f"{path}/minLength/maxLength (ignored with format or pattern)")
+    scalar = sorted(_SCALAR_KEYWORDS & schema.keys())
+    if scalar and ("enum" in schema or "const" in schema):
+        if not _constants_obey(schema, scalar):
+            found.append(f"{path}/{'/'.join(scalar)} (only the enum/const is checked)")
+    elif scalar and "type" not in schema:
+        found.append(f"{path}/{'/'.join(scalar)} (ignored without \"type\")")
+    required = schema.get("required")
+    types = schema.get("type", "object")
+    if isinstance(required, list) and ("object" in types if isinstance(types, list) else types == "object"):
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        missing = [str(n) for n in required if n not in props]
+        if missing:
+            found.append(f"{path}/required {missing} (names not in properties are not required)")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        found.append(f"{path}/$ref {ref!r} (not local)")
+    elif isinstance(ref, str) and ref not in seen:
+        seen.add(ref)
+        found += unsupported_schema_features(resolve_local_ref(root, ref), ref, root, seen)
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt not in _FORMATS:
+        found.append(f"{path}/format {fmt!r}")
+    pat = schema.get("pattern")
+    if isinstance(pat, str) and _UNSUPPORTED_REGEX.search(pat):
+        found.append(f"{path}/pattern {pat!r}")
+    for key in _SCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, s in sub.items():
+                found += unsupported_schema_features(s, f"{path}/{key}/{name}", root, seen)
+    for key in _SCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, s in enumerate(sub):
+                found += unsupported_schema_features(s, f"{path}/{key}/{i}", root, seen)
+    for key in _SCHEMA_VALUES:
+        sub = schema.get(key)
+        if isinstance(sub, list):  # draft-7 tuple "items"
+            for i, s in enumerate(sub):
+                found += unsupported_schema_features(s, f"{path}/{key}/{i}", root, seen)
+        else:
+            found += unsupported_schema_features(sub, f"{path}/{key}", root, seen)
+    return found
+
+
+def _constants_obey(schema: dict, keywords: list[str]) -> bool:
+    """Every value of the schema's ``enum``/``const`` satisfies ``keywords`` (and ``type``):
+    then checking only the enum, as xgrammar does, is exact."""
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else []
+    values = values + ([schema["const"]] if "const" in schema else [])
+    rules = {k: schema[k] for k in (*keywords, "type") if k in schema}
+    try:
+        check = Draft202012Validator(rules, format_checker=Draft202012Validator.FORMAT_CHECKER)
+        return all(check.is_valid(v) for v in values)
+    except Exception:  # noqa: BLE001 - a malformed keyword: let the compile say what is wrong
+        return False
+
+
+def _one_of_is_exact(branches: list, root: Any) -> bool:
+    """xgrammar treats oneOf as anyOf, which is exact when no value can match two branches:
+    branches of distinct JSON types (every integer is also a number, so those two overlap),
+    or objects told apart by a required property that holds a different constant in each
+    (Pydantic's discriminated unions: ``{"kind": {"const": "cat"}}`` vs ``"dog"``)."""
+    resolved = [_deref(b, root) for b in branches]
+    if not all(isinstance(b, dict) for b in resolved):
+        return False
+    types = [b.get("type") for b in resolved]
+    if (all(isinstance(t, str) for t in types) and len(set(types)) == len(types)
+            and not {"integer", "number"} <= set(types)):
+        return True
+    # Without "type": "object" a branch also matches every non-object value.
+    if any(t != "object" or not isinstance(b.get("required"), list) for t, b in zip(types, resolved)):
+        return False
+    for name in sorted(set.intersection(*(set(map(str, b["required"])) for b in resolved))):
+        values = [_constant(_deref((b.get("properties") or {}).get(name), root)) for b in resolved]
+        if None not in values and len(set(values)) == len(values):
+            return True
+    return False
+
+
+def _deref(schema: Any, root: Any) -> Any:
+    """A branch that is only a local ``$ref`` stands for its target."""
+    return follow_local_refs(schema, root) if isinstance(schema, dict) and set(schema) == {"$ref"} else schema
+
+
+def _constant(schema: Any) -> str | None:
+    """The JSON text of the one value a ``const`` or one-item ``enum`` allows, else None."""
+    if isinstance(schema, dict):
+        if "const" in schema:
+            return json.dumps(schema["const"], sort_keys=True)
+        if isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
+            return json.dumps(schema["enum"][0], sort_keys=True)
+    return None
+
+
+def xgrammar_regex(pattern: str) -> str:
+    """``pattern`` as xgrammar must read it to mean what it means to Python's ``re`` and to
+    llguidance: a ``.`` outside a class becomes ``[^\\n]`` (xgrammar's ``.`` matches a
+    newline too). Raises GrammarError for what xgrammar would read otherwise: ``\\A``,
+    ``\\Z``, ``\\z``, ``\\G`` (taken as letters) and ``^``/``$`` inside the pattern (ignored;
+    ``a^b`` then matches "ab")."""
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    in_class, body = False, 0  # inside [...]; where its body starts (a "]" there is literal)
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < n:
+            if not in_class and pattern[i + 1] in "AZzG":
+                raise _regex_error(pattern, f"xgrammar reads \\{pattern[i + 1]} as the letter {pattern[i + 1]!r}")
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = not (ch == "]" and i > body)
+        elif ch == "[":
+            in_class = True
+            body = i + 2 if pattern.startswith("^", i + 1) else i + 1
+            out.append(pattern[i:body])
+            i = body
+            continue
+        elif ch == ".":
+            ch = "[^\\n]"
+        elif (ch == "^" and i > 0) or (ch == "$" and i < n - 1):
+            raise _regex_error(pattern, f"xgrammar ignores the anchor {ch!r} at position {i}")
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def _regex_error(pattern: str, reason: str) -> GrammarError:
+    return GrammarError(f"xgrammar cannot compile regex {pattern!r} as Python reads it: {reason} "
+                        "(the llguidance backend reads it as Python does)", backend="xgrammar", reason=reason)
