@@ -54,6 +54,40 @@ def test_module_level_generate_returns_one_or_many(monkeypatch, tiny_engine_fact
     assert isinstance(many, list) and len(many) == 2
 
 
+def test_module_level_generate_token_ids_and_all_sampling_fields(monkeypatch, tiny_engine_factory):
+    eng = tiny_engine_factory()
+    monkeypatch.setattr(constrained_serve, "_default_engine", eng)
+    [r] = constrained_serve.generate([[5, 6, 7]], max_tokens=3, ignore_eos=True, logprobs=1, repetition_penalty=1.1)
+    assert r.error is None and r.usage.prompt_tokens == 3 and len(r.logprobs) == 3
+    with pytest.raises(TypeError, match="either params= or sampling keywords"):
+        constrained_serve.generate("x", params=SamplingParams(max_tokens=7), max_tokens=3)
+
+
+def test_bad_items_fail_alone(tiny_engine_factory):
+    """A token id outside the vocabulary or a message the chat template cannot render is that
+    item's error Result; the others run (it used to crash the whole step)."""
+    eng = tiny_engine_factory()
+    p = SamplingParams(max_tokens=2, ignore_eos=True)
+    rs = eng.generate(["fine", [eng.vocab_size + 5], [-1], [True, 5], [3, 4]], p)
+    assert [r.error_type for r in rs] == [None, "ValueError", "ValueError", "ValueError", None]
+    assert "outside the model's vocabulary" in rs[1].error
+    rs = eng.chat([[{"role": "user", "content": "hi"}], [{"role": "user"}], [{"content": "x"}]], p)
+    assert rs[0].error is None and rs[1].error_type == rs[2].error_type == "ValueError"
+
+
+def test_stream_refuses_unknown_keywords_and_raises_when_aborted(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    with pytest.raises(TypeError, match="shema"):
+        list(eng.stream("x", SamplingParams(max_tokens=3), shema={"type": "object"}))
+    dead = 'start: "a" b\nb: /[^\\s\\S]/\n'  # "a" is forced, then nothing can follow
+    shown = []
+    with pytest.raises(constrained_serve.OutputError, match="cannot be completed"):
+        for delta in eng.stream("x", SamplingParams(max_tokens=8), grammar=dead):
+            shown.append(delta)
+    assert "".join(shown) == "a"
+    assert not eng.core.has_work()
+
+
 def test_device_auto_is_cpu_here(tiny_llama_dir):
     eng = Engine(model=str(tiny_llama_dir), device="auto", kv_cache_tokens=256)
     assert eng.device.type == "cpu"

@@ -10,15 +10,42 @@ from constrained_serve.sampler import step_seed
     (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(min_p=1.0), "min_p"), (dict(stop=[""]), "stop"),
+    # non-finite numbers, wrong types: refused up front, never a NaN sampler or a mid-batch crash
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature="0.5"), "temperature"), (dict(temperature=None), "temperature"),
+    (dict(top_p=float("nan")), "top_p"), (dict(stop=["a", 3]), "stop"), (dict(stop=123), "stop"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids"), (dict(stop_token_ids=[1.7]), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(top_k=True), "top_k"),
+    (dict(max_tokens=True), "max_tokens"), (dict(seed=True), "seed"), (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
 ])
 def test_bad_sampling_params_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
 
 
-def test_bad_engine_args_name_the_argument(tiny_llama_dir):
-    from constrained_serve import Engine
+def test_params_are_checked_again_at_submit(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    p = SamplingParams(max_tokens=3, stop=None, stop_token_ids=None)
+    assert p.stop == () and p.stop_token_ids == ()
+    p.max_tokens = 0  # changed after construction
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.generate(["a", "b"], p)
+    with pytest.raises(ValueError, match="temperature"):
+        q = SamplingParams(max_tokens=3)
+        q.temperature = float("nan")
+        list(eng.stream("a", q))
+    assert not eng.core.has_work()
 
+
+def test_bad_engine_args_name_the_argument(tiny_llama_dir, monkeypatch):
+    from constrained_serve import Engine
+    from constrained_serve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model=str(tiny_llama_dir), max_model_len=0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert EngineConfig().cpu_threads() == 1 and EngineConfig(num_threads=3).cpu_threads() == 3
     with pytest.raises(ValueError, match="device"):
         Engine(model=str(tiny_llama_dir), device="tpu")
     with pytest.raises(ValueError, match="model"):

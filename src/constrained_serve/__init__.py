@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -32,8 +33,7 @@ def default_engine() -> Engine:
         return _default_engine
 
 
-_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids",
-                    "ignore_eos"}
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def generate(prompt_or_messages: Any, **kwargs: Any):
@@ -43,11 +43,16 @@ def generate(prompt_or_messages: Any, **kwargs: Any):
     lists go through the chat template; strings are sent as they are.
     """
     sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in _SAMPLING_FIELDS}
-    params = kwargs.pop("params", None) or SamplingParams(**sampling)
+    params = kwargs.pop("params", None)
+    if params is not None and sampling:
+        raise TypeError(f"pass either params= or sampling keywords ({sorted(sampling)}), not both")
+    params = params or SamplingParams(**sampling)
     eng = default_engine()
     x = prompt_or_messages
     is_messages = isinstance(x, list) and x and isinstance(x[0], dict)
-    is_list_of_messages = isinstance(x, list) and x and isinstance(x[0], list)
+    # A list of message lists; a list of token-id lists is a list of raw prompts.
+    is_list_of_messages = isinstance(x, list) and x and isinstance(x[0], list) and (
+        not x[0] or isinstance(x[0][0], dict))
     if isinstance(x, str):
         return eng.generate(x, params, **kwargs)[0]
     if is_messages:

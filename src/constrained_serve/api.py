@@ -52,7 +52,7 @@ class Engine:
         self.device = dev = cfg.torch_device()
         self.dtype = cfg.torch_dtype(dev)
         if dev.type == "cpu":
-            torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(cfg.cpu_threads())
         src = loader.resolve_model(cfg.model)
         self.hf_config, self.tokenizer = loader.load_config_and_tokenizer(src)
         model_len = self.hf_config.max_position_embeddings
@@ -125,10 +125,14 @@ class Engine:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
     def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as e:  # jinja2 errors, a template's raise_exception(): this item's problem
+            raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: Messages) -> list[int]:
         return list(self.tokenizer(self.render_chat(messages), add_special_tokens=False)["input_ids"])
@@ -239,11 +243,18 @@ class Engine:
         items = [messages] if single else list(messages)
         return self._run(items, params, True, progress, raise_on_error, spec_kwargs, single=single)
 
-    def _backend_arg(self, spec_kwargs: dict[str, Any]) -> str | None:
-        b = spec_kwargs.pop("grammar_backend", None)
-        if b is not None and b not in ("llguidance", "xgrammar"):
-            raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {b!r}")
-        return b
+    @staticmethod
+    def _spec_args(spec_kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+        """(grammar_backend, the output-spec arguments); unknown keywords raise TypeError."""
+        spec_kwargs = dict(spec_kwargs)
+        backend = spec_kwargs.pop("grammar_backend", None)
+        if backend is not None and backend not in ("llguidance", "xgrammar"):
+            raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {backend!r}")
+        spec_args = {k: spec_kwargs.pop(k) for k in list(spec_kwargs) if k in _SPEC_KEYS or k in (
+            "grammar_syntax", "json_whitespace", "strict")}
+        if spec_kwargs:
+            raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
+        return backend, spec_args
 
     def _run(self, items: list, params: SamplingParams | Sequence[SamplingParams] | None, chat: bool, progress: bool,
              raise_on_error: bool, spec_kwargs: dict[str, Any], single: bool) -> list[Result]:
@@ -262,12 +273,7 @@ class Engine:
     def _iter(self, items: Iterable[Any], params, chat, progress, raise_on_error, spec_kwargs, single,
               max_in_flight: int | None, total: int | None) -> Iterator[Result]:
         params_at = self._params_per_item(items, params)
-        spec_kwargs = dict(spec_kwargs)
-        backend = self._backend_arg(spec_kwargs)
-        spec_args = {k: spec_kwargs.pop(k) for k in list(spec_kwargs) if k in _SPEC_KEYS or k in (
-            "grammar_syntax", "json_whitespace", "strict")}
-        if spec_kwargs:
-            raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
+        backend, spec_args = self._spec_args(spec_kwargs)
         materialized = isinstance(items, list)
         per_item_specs, per_prompt = (self._split_specs(len(items), spec_args) if materialized
                                       else ([], False))
@@ -331,6 +337,7 @@ class Engine:
         """params: None, one SamplingParams, or one per item (needs a list of items)."""
         if params is None or isinstance(params, SamplingParams):
             shared = params or SamplingParams()
+            shared.validate()  # again: a field may have been changed since construction
             return lambda i: shared
         if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
@@ -338,23 +345,30 @@ class Engine:
             raise TypeError("a list of SamplingParams needs a list of prompts (one per prompt)")
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts; pass one, or one per prompt")
+        for p in params:
+            p.validate()
         return params.__getitem__
 
     def _encode_raw(self, item: Any) -> list[int]:
         if isinstance(item, str):
             return self.encode_prompt(item)
-        if isinstance(item, (list, tuple)) and all(isinstance(t, int) for t in item):
+        if isinstance(item, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            bad = next((t for t in item if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside the model's vocabulary (0 to {self.vocab_size - 1})")
             return list(item)  # pre-tokenized prompt
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(item).__name__}")
 
     # ------------------------------------------------------------------ streaming and conversations
     def stream(self, prompt: str | Messages, params: SamplingParams | None = None,
                **spec_kwargs: Any) -> Iterator[str]:
-        """Yield text deltas as they are decoded (constrained or not)."""
+        """Yield text deltas as they are decoded (constrained or not). A request that fails
+        midway (``finish_reason == "abort"``: a grammar dead end, no KV room) raises
+        OutputError after the text it produced; truncation and stops end the stream quietly."""
         params = params or SamplingParams()
-        backend = self._backend_arg(dict(spec_kwargs))
-        spec_kwargs.pop("grammar_backend", None)
-        spec = self.make_spec(**spec_kwargs)
+        params.validate()
+        backend, spec_args = self._spec_args(spec_kwargs)
+        spec = self.make_spec(**spec_args)
         if spec is not None:
             self.grammar.compile(spec, backend)
         ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
@@ -374,6 +388,8 @@ class Engine:
                     yield text[shown:]
                     shown = len(text)
                 if r.finished:
+                    if r.finish_reason == "abort":  # failed (a grammar dead end, no room): say so
+                        raise OutputError(f"stream aborted after {r.num_output} tokens: {r.error_type}: {r.error}")
                     return
         finally:
             with self._core_lock:

@@ -45,7 +45,9 @@ def _device() -> dict[str, Any]:
         out["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     else:
         out["auto"] = "cpu"
-        out["cpu_threads"] = torch.get_num_threads()
+        from .config import EngineConfig
+
+        out["cpu_threads"] = EngineConfig().cpu_threads()  # what an Engine will use
     return out
 
 

@@ -25,7 +25,7 @@ class EngineConfig:
     grammar_backend: str = "llguidance"
     overlap: bool = True  # fill grammar masks while the forward runs
     fast_forward: bool = True  # append grammar-forced tokens without a decode step each
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: $OMP_NUM_THREADS, else all cores
     load_format: str = "auto"  # "auto" | "dummy" (random weights in the model's shapes)
     seed: int = 0  # draws the seeds of requests that give none
     conversation_lock_fraction: float = 0.5  # share of the pool open conversations may pin
@@ -53,8 +53,17 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), got {self.max_model_len}")
         if not 0 <= self.conversation_lock_fraction <= 1:
             raise ValueError(f"conversation_lock_fraction must be in [0, 1], got {self.conversation_lock_fraction}")
+
+    def cpu_threads(self) -> int:
+        """Intra-op threads on CPU: num_threads, else a positive OMP_NUM_THREADS, else all cores."""
+        if self.num_threads is not None:
+            return self.num_threads
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        return int(env) if env.isdigit() and int(env) > 0 else (os.cpu_count() or 1)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,6 +1,8 @@
 """Sampling parameters and output specifications (what the output must look like)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
@@ -36,32 +38,34 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not (0.0 <= self.min_p < 1.0):
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (and normalize ``stop``/``stop_token_ids`` to tuples); raises a
+        ValueError naming the field. Runs on construction and again at submit, so a field
+        changed after construction is checked too."""
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = tuple(stop)
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        self.stop_token_ids = tuple(int(t) for t in ids)
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_real("temperature", self.temperature, 0.0)
+        _check_real("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", open_low=True)
+        _check_int("top_k", self.top_k, 0, "an integer >= 0 (0 disables it)")
+        _check_real("min_p", self.min_p, 0.0, 1.0, "in [0, 1)", open_high=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, None, "an integer or None")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, None, "> 0 (1 disables it)", open_low=True)
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)!r}")
+            _check_real(name, getattr(self, name), -2.0, 2.0, "in [-2, 2] (0 disables it)")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, "None or an integer in [0, 20]", hi=20)
 
     @property
     def penalized(self) -> bool:
@@ -70,6 +74,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_int(name: str, v: Any, lo: int | None, what: str | None = None, hi: int | None = None) -> None:
+    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be {what or f'an integer >= {lo}'}, got {v!r}")
+
+
+def _check_real(name: str, v: Any, lo: float, hi: float | None = None, what: str | None = None,
+                open_low: bool = False, open_high: bool = False) -> None:
+    """A finite number in [lo, hi] (or with open ends); bools and strings are refused."""
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > lo if open_low else v >= lo)
+    ok = ok and (hi is None or (v < hi if open_high else v <= hi))
+    if not ok:
+        raise ValueError(f"{name} must be a finite number {what or f'>= {lo}'}, got {v!r}")
 
 
 @dataclass(frozen=True)
