@@ -191,12 +191,13 @@ class Engine:
         if r.spec is not None and res.error is None:
             if res.finish_reason == "length":
                 res.error_type = "truncated"
+                limit = (f"max_tokens={r.params.max_tokens}" if r.num_output >= r.params.max_tokens else
+                         f"the model's context length ({self.max_model_len} tokens, prompt included)")
                 if r.matcher is not None and r.matcher.can_end():  # e.g. "[a-z ]+": could go on
-                    res.error = (f"output truncated at max_tokens={r.params.max_tokens}: the text is a "
-                                 f"complete {r.spec.kind} match but may be cut short; nothing was repaired")
+                    res.error = (f"output truncated at {limit}: the text is a complete {r.spec.kind} "
+                                 f"match but may be cut short; nothing was repaired")
                 else:
-                    res.error = (f"output truncated at max_tokens={r.params.max_tokens} before the "
-                                 f"{r.spec.kind} was complete; nothing was repaired")
+                    res.error = f"output truncated at {limit} before the {r.spec.kind} was complete; nothing was repaired"
             elif (res.finish_reason == "stop" and r.stop_reason is not None and r.compiled is not None
                   and not self.grammar.matches(r.compiled, text)):
                 what = "stop string" if isinstance(r.stop_reason, str) else "stop token"

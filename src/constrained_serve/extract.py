@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import string
 import time
@@ -34,6 +35,7 @@ INVALID_UTF8 = "invalid_utf8"
 INVALID_JSON = "invalid_json"
 NOT_OBJECT = "not_object"
 INVALID_ID = "invalid_id"
+INVALID_TEXT = "invalid_text"
 MISSING_FIELD = "missing_field"
 TRUNCATED = "truncated"
 INVALID_OUTPUT = "invalid_output"
@@ -84,17 +86,25 @@ class PromptBuilder:
         self.instructions = instructions
         # Validate the template once, up front: a bad template is a usage error, not 10k error rows.
         try:
-            self.fields = [name for _, name, _, _ in string.Formatter().parse(self.template) if name is not None]
+            parts = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(self.template)
+                     if name is not None]
         except ValueError as e:
             raise ValueError(f"bad --template {self.template!r}: {e}") from None
+        self.fields = [name for name, _, _ in parts]
         if not self.fields:
             raise ValueError(f"--template {self.template!r} names no field; use e.g. '... {{text}} ...'")
-        for name in self.fields:
+        if template is None and not _FIELD_NAME.match(field):
+            raise ValueError(f"--field {field!r} is not a plain field name (nested fields such as a.b are not "
+                             "supported; a --template can combine several top-level fields)")
+        for name, spec, conv in parts:
             if not _FIELD_NAME.match(name):
                 raise ValueError(
                     f"--template field {{{name}}} is not a plain field name (positional, index and "
                     "attribute lookups are not supported; write {{ and }} for literal braces)"
                 )
+            if spec or conv:
+                raise ValueError(f"--template field {{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}: "
+                                 "format specs and conversions are not supported (fields are inserted as text)")
 
     def build(self, record: Mapping[str, Any]) -> list[dict[str, str]]:
         """Chat messages for ``record``; KeyError naming the field when one is missing."""
@@ -105,6 +115,7 @@ class PromptBuilder:
                 raise KeyError(name)
             values[name] = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         user = self.template.format_map(values)
+        user.encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate from a \udXXX escape
         messages = [{"role": "user", "content": user}]
         if self.instructions:
             messages.insert(0, {"role": "system", "content": self.instructions})
@@ -125,8 +136,8 @@ def _parse_line(raw: bytes, line_no: int, builder: PromptBuilder, id_field: str)
         text = text.lstrip("\ufeff")  # a byte-order mark some editors write
     try:
         record = json.loads(text)
-    except json.JSONDecodeError as e:
-        return _line_error(line_no, INVALID_JSON, f"line {line_no} is not valid JSON: {e}")
+    except (ValueError, RecursionError) as e:  # also: nesting too deep, an integer too long to read
+        return _line_error(line_no, INVALID_JSON, f"line {line_no} is not valid JSON: {type(e).__name__}: {e}")
     if not isinstance(record, dict):
         kind = type(record).__name__
         return _line_error(line_no, NOT_OBJECT, f"line {line_no} is a JSON {kind}, not an object")
@@ -142,6 +153,9 @@ def _parse_line(raw: bytes, line_no: int, builder: PromptBuilder, id_field: str)
     except KeyError as e:
         msg = f"line {line_no} has no field {e.args[0]!r} (or it is null)"
         return InputItem(line_no, row_id, error=_err(MISSING_FIELD, msg), by_line=from_line)
+    except UnicodeEncodeError as e:
+        msg = f"line {line_no}: the text is not valid Unicode (a lone surrogate {e.object[e.start:e.end]!a})"
+        return InputItem(line_no, row_id, error=_err(INVALID_TEXT, msg), by_line=from_line)
     return InputItem(line_no, row_id, messages=messages, by_line=from_line)
 
 
@@ -183,8 +197,11 @@ def read_items(
         yield item
 
 
-def count_rows(path: str) -> int:
-    """Non-blank lines of a file, streamed (for the progress bar's total)."""
+def count_rows(path: str) -> int | None:
+    """Non-blank lines of a file, streamed (for the progress bar's total). None for what is
+    not a regular file (a pipe, /dev/stdin): reading it here would leave nothing to process."""
+    if not os.path.isfile(path):
+        return None
     with open(path, "rb") as f:
         return sum(1 for raw in f if raw.strip())
 
@@ -214,7 +231,7 @@ def usage_dict(result: Any) -> dict[str, int]:
     return {n: int(getattr(usage, n, 0) or 0) for n in names}
 
 
-def result_row(row_id: Any, result: Any, *, json_output: bool) -> dict[str, Any]:
+def result_row(row_id: Any, result: Any, *, json_output: bool, max_tokens: int | None = None) -> dict[str, Any]:
     """The output row for one engine Result.
 
     A truncated output (finish_reason "length" before the constraint was complete) is an
@@ -228,15 +245,22 @@ def result_row(row_id: Any, result: Any, *, json_output: bool) -> dict[str, Any]
     if finish == "abort" or (error and finish != "length"):
         kind = error_type_name(getattr(result, "error_type", None))
         row_err = _err(kind, error or "the request was aborted")
+        if text:  # what the model wrote (for output_validation: JSON the Pydantic type refused)
+            row_err["text"] = text
         return {"id": row_id, "error": row_err, "finish_reason": finish, "usage": usage}
     value = getattr(result, "json", None) if json_output else text
     dump = getattr(getattr(result, "parsed", None), "model_dump", None)
     if json_output and callable(dump):
         # A Pydantic model's own view: a schema from model_json_schema() leaves
         # additionalProperties open, so the raw JSON may hold keys the model ignores.
-        value = dump(mode="json")
+        # by_alias: the keys the schema (and so the output) uses.
+        value = dump(mode="json", by_alias=True)
     if finish == "length" and (not json_output or value is None):
-        msg = error or f"output truncated at max_tokens ({usage['completion_tokens']} tokens); raise --max-tokens"
+        if max_tokens is not None and usage["completion_tokens"] < max_tokens:
+            msg = (f"output stopped at the model's context length ({usage['prompt_tokens']} prompt + "
+                   f"{usage['completion_tokens']} output tokens); shorten the input")
+        else:
+            msg = error or f"output truncated at max_tokens ({usage['completion_tokens']} tokens); raise --max-tokens"
         return {"id": row_id, "error": {**_err(TRUNCATED, msg), "text": text}, "finish_reason": finish, "usage": usage}
     if json_output and value is None:
         row_err = {**_err(INVALID_OUTPUT, "the output did not parse as JSON"), "text": text}
@@ -332,7 +356,8 @@ def run_extract(
     for result in results:
         flush_errors()
         item = pending.popleft()
-        emit({**item.row_head(), **result_row(item.id, result, json_output=json_output)})
+        emit({**item.row_head(), **result_row(item.id, result, json_output=json_output,
+                                              max_tokens=getattr(params, "max_tokens", None))})
     flush_errors()
     if pending:  # the engine returned fewer results than it was given prompts
         raise RuntimeError(f"engine returned no result for {len(pending)} input rows")

@@ -28,6 +28,11 @@ class OutputFileError(Exception):
     """An existing output file that cannot be resumed safely (corrupt row, locked)."""
 
 
+# Every row is a dict whose first key is "id", written by json.dumps: a partial last line
+# that we wrote starts with these bytes.
+_ROW_START = b'{"id": '
+
+
 def row_key(row_id: Any) -> str:
     """Key of an id in the resume set. JSON text, so the id 1 and the id "1" stay distinct."""
     return json.dumps(row_id, sort_keys=True, ensure_ascii=False)
@@ -51,6 +56,9 @@ def scan_and_repair(f: IO[bytes], path: str) -> tuple[set[str], int]:
     good_end = 0
     for line_no, raw in enumerate(f, 1):
         if not raw.endswith(b"\n"):
+            if not _partial_row(raw):  # not the start of a row we write: not ours to cut
+                raise OutputFileError(f"{path}: line {line_no} is not an output row and has no newline; "
+                                      "not appending to it (is this the right file?)")
             logger.warning("%s: dropping a partial last line (%d bytes) left by an interrupted run", path, len(raw))
             break
         good_end += len(raw)
@@ -60,8 +68,9 @@ def scan_and_repair(f: IO[bytes], path: str) -> tuple[set[str], int]:
             row = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise OutputFileError(f"{path}: line {line_no} is not a JSON row ({e}); not appending to it") from None
-        if not isinstance(row, dict) or "id" not in row:
-            raise OutputFileError(f"{path}: line {line_no} is not an output row (no 'id'); not appending to it")
+        if not _is_row(row):
+            raise OutputFileError(f"{path}: line {line_no} is not an output row (no 'id' with 'output' or "
+                                  "'error'); not appending to it (is this the right file?)")
         keys.add(written_row_key(row))
         rows += 1
     f.truncate(good_end)
@@ -69,12 +78,34 @@ def scan_and_repair(f: IO[bytes], path: str) -> tuple[set[str], int]:
     return keys, rows
 
 
+def _is_row(row: Any) -> bool:
+    return isinstance(row, dict) and "id" in row and ("output" in row or "error" in row)
+
+
+def _partial_row(raw: bytes) -> bool:
+    """A last line without its newline that a killed run of ours can have left: the start of
+    a row (a cut row never parses), or a whole row whose newline was not written yet."""
+    if not raw.startswith(_ROW_START):
+        return False
+    try:
+        return _is_row(json.loads(raw))
+    except (ValueError, RecursionError):
+        return True
+
+
 class JsonlSink:
     """An output file opened for resumable appends: locked, repaired, one row per write."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, flag: str = "-o"):
         self.path = path
-        self._f = open(path, "a+b")
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise OutputFileError(f"{flag} {path}: not a regular file (the output is appended to and "
+                                  "re-read on resume, so it must be a file)")
+        self.created = not os.path.exists(path)
+        try:
+            self._f = open(path, "a+b")
+        except OSError as e:
+            raise OutputFileError(f"{flag} {path}: cannot open for writing: {e.strerror or e}") from None
         try:
             # Two runs appending to one file would interleave rows; the lock makes the
             # second one fail fast. The OS drops it when the process dies, even on kill -9.
@@ -92,7 +123,11 @@ class JsonlSink:
     def write(self, row: dict[str, Any]) -> None:
         # One write of a whole line, then flush: a kill can cut at most this line short,
         # which the next run's scan_and_repair removes.
-        self._f.write(json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n")
+        try:
+            line = json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (from an input's \udXXX escape): escape it
+            line = json.dumps(row).encode("ascii")
+        self._f.write(line + b"\n")
         self._f.flush()
 
     def close(self) -> None:
@@ -101,6 +136,12 @@ class JsonlSink:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+
+    def remove_if_unused(self) -> None:
+        """Close, and delete the file if this run created it and wrote nothing (setup failed)."""
+        self.close()
+        if self.created and os.path.getsize(self.path) == 0:
+            os.unlink(self.path)
 
 
 @dataclass
@@ -123,13 +164,33 @@ class Sinks:
         if self.errors is not None:
             self.errors.close()
 
+    def remove_if_unused(self) -> None:
+        self.out.remove_if_unused()
+        if self.errors is not None:
+            self.errors.remove_if_unused()
 
-def open_sinks(output: str, errors: str | None = None) -> Sinks:
-    if errors is not None and os.path.realpath(errors) == os.path.realpath(output):
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
+
+
+def open_sinks(output: str, errors: str | None = None, input_path: str | None = None) -> Sinks:
+    """Open (lock, repair, scan) the output and the optional errors file. ``input_path``: the
+    input file, which neither may be (resuming would cut and skip the input's own lines)."""
+    for flag, path in (("-o", output), ("--errors", errors)):
+        if path == "-":
+            raise OutputFileError(f"{flag} - (stdout) is not supported: the output must be a file, "
+                                  "which a rerun resumes")
+        if path is not None and input_path not in (None, "-") and _same_file(path, input_path):
+            raise OutputFileError(f"{flag} {path} is the input file; write the output to another file")
+    if errors is not None and _same_file(errors, output):
         raise OutputFileError("--errors must be a different file from the output")
     out = JsonlSink(output)
     try:
-        return Sinks(out, JsonlSink(errors) if errors else None)
+        return Sinks(out, JsonlSink(errors, "--errors") if errors else None)
     except BaseException:
         out.close()
         raise

@@ -48,15 +48,28 @@ def test_setup_errors_exit_2_before_any_row(tmp_path, capsys) -> None:
         (["extract", str(good), "-o", str(out), "--schema", "no_such_module:Model"], "cannot import"),
         (["extract", str(good), "-o", str(out), "--schema", SCHEMA, "--regex", "a+"], "only one of"),
         (["extract", str(good), "-o", str(out), "--template", "{"], "bad --template"),
-        (["extract", str(good), "-o", str(out), "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+        (["extract", str(good), "-o", str(out), "--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
         (["extract", str(good), "-o", str(out), "--schema", SCHEMA, "--model", str(tmp_path / "nope.gguf")],
          "cannot load"),
+        (["extract", str(good), "-o", str(good)], "is the input file"),
+        (["extract", str(good), "-o", str(out), "--temperature", "nan"], "temperature must be a finite number"),
+        (["extract", str(good), "-o", str(out), "--template", "{n:d}"], "format specs"),
+        (["extract", str(good), "-o", str(out), "--device", "tpu"], "device must be"),
+        (["extract", str(good), "-o", str(out), "--threads", "0", "-v"], "--threads must be at least 1"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err, (argv, err)
-        assert read_rows(out) == []
+        assert "cannot load" not in err or message == "cannot load", err  # device/dtype are not the model's fault
+        assert not out.exists()  # a failed set-up leaves no empty output file behind
+    assert read_rows(good) == [{"id": 1, "text": "hi"}]  # the input, untouched
+
+
+def test_template_escapes_are_read_as_newline_and_tab() -> None:
+    from constrained_serve.cli import _unescape
+
+    assert _unescape(r"Title: {t}\n{body}\tend \\n") == "Title: {t}\n{body}\tend \\n"
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def test_prompt_builder_template_uses_several_fields_and_dumps_non_strings() -> 
         b.build({"title": "x", "tags": None})  # null counts as missing
 
 
-@pytest.mark.parametrize("template", ["{", "no fields", "{0}", "{a.b}", "{a[0]}"])
+@pytest.mark.parametrize("template", ["{", "no fields", "{0}", "{a.b}", "{a[0]}", "n={n:d}", "{text!r}"])
 def test_prompt_builder_rejects_bad_templates_up_front(template: str) -> None:
     with pytest.raises(ValueError):
         PromptBuilder(template=template)
@@ -86,6 +86,23 @@ def test_read_items_classifies_every_kind_of_line() -> None:
     ]
     assert items[0].messages == [{"role": "user", "content": "good"}]
     assert "line 2" in items[1].error["message"]
+
+
+def test_lines_python_cannot_read_are_error_rows_not_crashes() -> None:
+    """Nesting too deep, an integer past Python's digit limit, a lone surrogate in the text:
+    each is that line's error row; the job goes on (they used to stop it on every rerun)."""
+    src = lines("[" * 100_000, '{"id": ' + "9" * 5000 + ', "text": "x"}', '{"id": "s", "text": "a\\udc00b"}',
+                '{"id": "ok", "text": "fine"}')
+    got = [(it.id, it.error["type"] if it.error else None) for it in read_items(src, PromptBuilder())]
+    assert got == [(1, INVALID_JSON), (2, INVALID_JSON), ("s", "invalid_text"), ("ok", None)]
+
+
+def test_a_row_with_a_lone_surrogate_id_is_written_and_resumed(tmp_path) -> None:
+    out = str(tmp_path / "out.jsonl")
+    sinks = open_sinks(out)
+    sinks.write({"id": "a\udc00", "output": 1})
+    sinks.close()
+    assert open_sinks(out).done == {row_key("a\udc00")}
 
 
 def test_read_items_skips_done_ids_and_strips_bom() -> None:
@@ -146,6 +163,41 @@ def test_resume_refuses_a_corrupt_complete_line(tmp_path, bad: bytes) -> None:
         open_sinks(out)
     with open(out, "rb") as f:
         assert f.read() == original  # left untouched
+
+
+def test_a_file_we_did_not_write_is_never_cut(tmp_path) -> None:
+    """Only a partial row of ours is cut: a one-line note or config without its newline, or
+    JSON lines that are not output rows, make the run refuse the file, untouched."""
+    for name, data in [("notes.txt", b"important notes, do not lose"), ("cfg.json", b'{"id": 1}'),
+                       ("input.jsonl", b'{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n')]:
+        path = str(tmp_path / name)
+        write_file(path, data)
+        with pytest.raises(OutputFileError, match="not an output row"):
+            open_sinks(path)
+        with open(path, "rb") as f:
+            assert f.read() == data
+
+
+def test_output_paths_that_cannot_be_resumed_are_refused(tmp_path) -> None:
+    src = str(tmp_path / "in.jsonl")
+    write_file(src, b'{"id": "a", "text": "x"}')
+    for args, message in [((src,), "is the input file"), ((str(tmp_path / "o.jsonl"), src), "is the input file"),
+                          (("-",), "stdout"), (("/dev/null",), "not a regular file"),
+                          ((str(tmp_path / "no" / "dir.jsonl"),), "cannot open for writing")]:
+        with pytest.raises(OutputFileError, match=message):
+            open_sinks(*args, input_path=src)
+    with open(src, "rb") as f:
+        assert f.read() == b'{"id": "a", "text": "x"}'
+
+
+def test_count_rows_leaves_a_pipe_alone(tmp_path) -> None:
+    from constrained_serve.extract import count_rows
+
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    assert count_rows(fifo) is None  # reading it would leave nothing for the job
+    write_file(str(tmp_path / "f"), b"a\n\nb\n")
+    assert count_rows(str(tmp_path / "f")) == 2
 
 
 def test_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path) -> None:
@@ -215,6 +267,24 @@ def test_pydantic_output_is_the_model_dump() -> None:
     r = fake_result('{"a": 1, "extra": 2}', {"a": 1, "extra": 2})
     r.parsed = M(a=1)
     assert result_row(1, r, json_output=True)["output"] == {"a": 1}
+
+    from pydantic import Field
+
+    class Aliased(BaseModel):  # the schema (and so the output) uses the aliases
+        is_urgent: bool = Field(alias="isUrgent")
+
+    r = fake_result('{"isUrgent": true}', {"isUrgent": True})
+    r.parsed = Aliased(isUrgent=True)
+    assert result_row(1, r, json_output=True)["output"] == {"isUrgent": True}
+
+
+def test_truncation_says_which_limit() -> None:
+    at_max = result_row("a", fake_result("20", finish="length"), json_output=False, max_tokens=5)
+    assert "raise --max-tokens" in at_max["error"]["message"]
+    at_context = result_row("a", fake_result("20", finish="length"), json_output=False, max_tokens=64)
+    assert "context length" in at_context["error"]["message"] and "shorten" in at_context["error"]["message"]
+    refused = result_row("b", fake_result('{"a": 1}', {"a": 1}, "stop", "no", "OutputValidationError"), json_output=True)
+    assert refused["error"]["type"] == "output_validation" and refused["error"]["text"] == '{"a": 1}'
 
 
 def test_job_stats_summary() -> None:
