@@ -33,6 +33,17 @@ def test_schema_forms_share_canonical_text():
     assert s1.text == '{"properties":{"b":{"type":"integer"},"a":{"type":"string"}},"required":["a"],"type":"object"}'
 
 
+def test_property_order_is_kept_under_any_name():
+    """Every properties map keeps its order, also inside a $defs entry (or a property)
+    that happens to be called "properties"; other name maps are sorted."""
+    inner = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}}}
+    for schema in ({"$defs": {"properties": inner, "b": inner}, "$ref": "#/$defs/properties"},
+                   {"type": "object", "properties": {"properties": inner, "x": inner}}):
+        text = make_output_spec(schema=schema).text
+        assert text.count('"z":{"type":"integer"},"a"') == 2, text
+    assert '"$defs":{"b":' in make_output_spec(schema={"$defs": {"properties": inner, "b": inner}}).text
+
+
 def test_schema_true_is_any_json_value():
     # JSON Schema's boolean schema true accepts every value, as {} does (the backends take {}).
     assert make_output_spec(schema=True) == make_output_spec(schema="true") == make_output_spec(schema={})

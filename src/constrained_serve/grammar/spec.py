@@ -22,16 +22,31 @@ _GRAMMAR_SYNTAXES = {"lark": "lark", "ebnf": "ebnf", "gbnf": "ebnf"}
 
 def canonical_json(value: Any) -> str:
     """Deterministic JSON text of a schema (see module docstring for the ordering rule)."""
-    return json.dumps(_canon(value, keep_order=False), separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(_canon(value), separators=(",", ":"), ensure_ascii=False)
 
 
-def _canon(value: Any, keep_order: bool) -> Any:
+# Keywords whose value maps names to schemas; only "properties" keeps its order.
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# Keywords whose value is data, not a schema: a key "properties" in there means nothing.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _canon(value: Any, schema: bool = True) -> Any:
+    """``schema``: ``value`` is a schema (or a list of them), so its name maps are known; a
+    name map's entries are schemas again, whatever they are called (a ``$defs`` entry named
+    "properties" is a schema, not a properties map)."""
     if isinstance(value, Mapping):
-        keys = list(value.keys()) if keep_order else sorted(value.keys(), key=str)
-        # A schema's "properties" map is ordered; its values are schemas again (unordered).
-        return {k: _canon(value[k], keep_order=(k == "properties" and not keep_order)) for k in keys}
+        out = {}
+        for k in sorted(value.keys(), key=str):
+            v = value[k]
+            if schema and k in _NAME_MAPS and isinstance(v, Mapping):
+                names = list(v) if k == "properties" else sorted(v, key=str)
+                out[k] = {n: _canon(v[n]) for n in names}
+            else:
+                out[k] = _canon(v, schema and k not in _DATA_KEYWORDS)
+        return out
     if isinstance(value, (list, tuple)):
-        return [_canon(v, keep_order=False) for v in value]
+        return [_canon(v, schema) for v in value]
     return value
 
 
