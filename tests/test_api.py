@@ -88,6 +88,14 @@ def test_stream_refuses_unknown_keywords_and_raises_when_aborted(tiny_engine_fac
     assert not eng.core.has_work()
 
 
+def test_per_prompt_specs_need_a_list_of_prompts(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    with pytest.raises(TypeError, match="needs a list of prompts"):
+        list(eng.generate_iter(iter(["a", "b"]), SamplingParams(max_tokens=2), regex=["a+", "b+"]))
+    [r] = list(eng.generate_iter(iter(["a"]), SamplingParams(max_tokens=2), choices=["x", "y"]))  # one spec for all
+    assert r.text in ("x", "y")
+
+
 def test_device_auto_is_cpu_here(tiny_llama_dir):
     eng = Engine(model=str(tiny_llama_dir), device="auto", kv_cache_tokens=256)
     assert eng.device.type == "cpu"

@@ -30,6 +30,12 @@ from .scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+def _per_prompt(key: str, value: Any) -> bool:
+    """A list is one spec per prompt, except choices=["yes", "no"] (one spec for all)."""
+    return isinstance(value, list) and (key != "choices" or (
+        len(value) > 0 and all(isinstance(x, (list, tuple)) or x is None for x in value)))
+
+
 def _done(x: Request | Result) -> bool:
     """An entry of a call's pending queue that can be handed back: an error Result, or a
     finished request."""
@@ -149,9 +155,7 @@ class Engine:
         per_prompt = {}
         for k in _SPEC_KEYS:
             v = spec_args.get(k)
-            # A list is one spec per prompt, except choices=["yes", "no"] (one spec for all).
-            is_list = isinstance(v, list) and (k != "choices" or (
-                len(v) > 0 and all(isinstance(x, (list, tuple)) or x is None for x in v)))
+            is_list = _per_prompt(k, v)
             if is_list and len(v) != n:
                 raise GrammarError(f"{k}: a list gives one spec per prompt; got {len(v)} for {n} prompts")
             if is_list:
@@ -275,9 +279,12 @@ class Engine:
               max_in_flight: int | None, total: int | None) -> Iterator[Result]:
         params_at = self._params_per_item(items, params)
         backend, spec_args = self._spec_args(spec_kwargs)
-        materialized = isinstance(items, list)
-        per_item_specs, per_prompt = (self._split_specs(len(items), spec_args) if materialized
-                                      else ([], False))
+        if isinstance(items, list):
+            per_item_specs, per_prompt = self._split_specs(len(items), spec_args)
+        else:
+            per_item_specs, per_prompt = [], False
+            if any(_per_prompt(k, spec_args.get(k)) for k in _SPEC_KEYS):
+                raise TypeError("a list of specs (one per prompt) needs a list of prompts, not an iterator")
         shared_spec = None
         if not per_prompt:
             shared_spec = self.make_spec(**spec_args)  # a bad shared spec raises here

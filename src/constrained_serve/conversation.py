@@ -1,10 +1,12 @@
 """Multi-turn conversations that append to the cached KV instead of recomputing history.
 
 A conversation keeps the exact token ids of its history (prompt + generated tokens, with the
-chat template's turn delimiters) and never re-tokenizes earlier text. A new turn is rendered
+chat template's turn delimiters) and never re-tokenizes earlier text (only the tail of an
+output that a stop string cut inside a token is tokenized afresh). A new turn is rendered
 by the chat template as the difference between the conversation with and without it, and
 only that difference is tokenized and appended. The radix cache then matches the whole
-history, so only the new turn is prefilled. While the conversation is open its history is
+history, so only the new turn is prefilled (and the history's last partial page: the cache
+holds whole pages). While the conversation is open its history is
 locked against eviction, up to ``conversation_lock_fraction`` of the pool; past that it is
 left evictable (a later turn recomputes what was evicted, never fails). When running requests
 need the pages, every pin is dropped: the history stays cached until evicted, and is pinned
