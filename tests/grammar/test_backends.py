@@ -380,3 +380,14 @@ def test_xgrammar_regex_means_what_python_means(manager):
     for rx in (r"\Aab", r"ab\Z", "a^b", "a$b"):
         with pytest.raises(GrammarError, match="as Python reads it"):
             manager.compile(make_output_spec(regex=rx), "xgrammar")
+
+
+@pytest.mark.parametrize("grammar, text, other", [
+    ('root ::= "\\x41B"', "AB", "Л"),  # \x takes exactly two hex digits (xgrammar read "\x41B" as U+041B)
+    ('root ::= "caf\\u00e9" [\\u0041-\\u005A]', "caféQ", "cafeQ"),  # \u, which llguidance refused
+    ('root ::= "\\U0001F600" [\\x5D\\x2D]', "😀-", "😀x"),
+    ('root ::= "\\x22" [^\\x00-\\x1F"]+ "\\x22"  # a comment with "\\x41B"', '"ok"', '"o"k"'),
+])
+def test_gbnf_escapes_mean_what_llama_cpp_means(manager, backend, grammar, text, other):
+    c = manager.compile(make_output_spec(grammar=grammar, grammar_syntax="gbnf"), backend)
+    assert manager.matches(c, text) and not manager.matches(c, other)
