@@ -115,6 +115,22 @@ def test_many_conversations_in_one_batch(tiny_engine_factory):
     eng.core.check_integrity()
 
 
+def test_pins_survive_ordinary_memory_pressure(tiny_engine_factory):
+    """More work than the pool holds is handled by preempting runners and queueing; the
+    conversations' pins stay (they go only when a request could not run at all)."""
+    eng = tiny_engine_factory(kv_cache_tokens=512, page_size=16)  # 32 pages; pins may take 16
+    eng.core.check_each_step = True
+    conv = eng.conversation(system="You are a storyteller. " * 3)
+    conv.send("Tell a long story.", SamplingParams(max_tokens=40, ignore_eos=True))
+    pinned = list(conv.pages)
+    assert pinned
+    prompts = [eng.encode_prompt(f"story {i} " * 20)[:60] for i in range(10)]
+    rs = eng.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert all(r.error is None and len(r.token_ids) == 40 for r in rs)
+    assert eng.core.scheduler.num_preemptions > 0 and conv.pages == pinned
+    conv.close()
+
+
 def test_conversation_history_is_the_text_a_stop_left(tiny_engine_factory):
     """After a stop string (ending inside a token) or a stop token, the conversation goes on
     from the text the user saw, not from the tokens the model wrote past it."""

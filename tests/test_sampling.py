@@ -24,6 +24,17 @@ def test_bad_sampling_params_name_the_argument(kwargs, name):
         SamplingParams(**kwargs)
 
 
+def test_params_take_numpy_numbers_and_any_iterable(tiny_engine_factory):
+    import numpy as np
+
+    p = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(1.0), seed=np.int64(3), stop={"zz"},
+                       stop_token_ids=np.array([2, 3]), ignore_eos=True)
+    assert type(p.seed) is int and type(p.max_tokens) is int and type(p.temperature) is float
+    assert p.stop == ("zz",) and p.stop_token_ids == (2, 3)
+    [r] = tiny_engine_factory().generate(["a"], p)  # a numpy seed overflowed the per-step seed mix
+    assert r.error is None and len(r.token_ids) <= 3
+
+
 def test_params_are_checked_again_at_submit(tiny_engine_factory):
     eng = tiny_engine_factory()
     p = SamplingParams(max_tokens=3, stop=None, stop_token_ids=None)

@@ -131,8 +131,8 @@ class Engine:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
     def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,

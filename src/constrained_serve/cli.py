@@ -175,8 +175,6 @@ def _load_engine(args: argparse.Namespace) -> Any:
     if args.dtype:
         kwargs["dtype"] = args.dtype
     if args.threads is not None:
-        if args.threads < 1:
-            raise SetupError("--threads must be at least 1")
         kwargs["num_threads"] = args.threads
     from .config import EngineConfig
 
@@ -307,14 +305,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if instructions is None and spec.schema_json is not None:
         instructions = f"Reply with {describe_schema(spec.schema_json)}"
     try:
+        # One prompt (not a list of one): a bad prompt raises here instead of an error Result.
         if args.raw:
             prompt = args.prompt if instructions is None else f"{instructions}\n\n{args.prompt}"
-            result = engine.generate([prompt], params, **spec.kwargs)[0]
+            result = engine.generate(prompt, params, **spec.kwargs)[0]
         else:
             messages = [{"role": "user", "content": args.prompt}]
             if instructions:
                 messages.insert(0, {"role": "system", "content": instructions})
-            result = engine.chat([messages], params, **spec.kwargs)[0]
+            result = engine.chat(messages, params, **spec.kwargs)[0]
     except ValueError as e:  # a bad spec, an empty or too long prompt: the input's problem
         raise SetupError(f"{spec.label}: {e}" if _is_grammar_error(e) else str(e)) from None
     if getattr(result, "error", None) or result.finish_reason == "abort":

@@ -8,9 +8,11 @@ only that difference is tokenized and appended. The radix cache then matches the
 history, so only the new turn is prefilled (and the history's last partial page: the cache
 holds whole pages). While the conversation is open its history is
 locked against eviction, up to ``conversation_lock_fraction`` of the pool; past that it is
-left evictable (a later turn recomputes what was evicted, never fails). When running requests
-need the pages, every pin is dropped: the history stays cached until evicted, and is pinned
-again at the conversation's next turn.
+left evictable (a later turn recomputes what was evicted, never fails). When a request could
+not run at all otherwise (it is the only one running, or nothing runs and the next waiting
+one does not fit), every pin is dropped: the history stays cached until evicted, and
+is pinned again at the conversation's next turn. Ordinary memory pressure (preempting
+runners, a queue waiting for pages) leaves the pins alone.
 """
 from __future__ import annotations
 
@@ -88,6 +90,8 @@ class Conversation:
         """Lock the cached history so eviction cannot take it while the conversation is open."""
         with self.engine._core_lock:  # the radix tree and page refcounts are the core's
             self.unpin()
+            if self.closed:  # closed while its last turn ran: nothing to keep
+                return
             kv = self.engine.kv
             if kv.radix is None:
                 return

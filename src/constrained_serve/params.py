@@ -44,12 +44,12 @@ class SamplingParams:
         """Check every field (and normalize ``stop``/``stop_token_ids`` to tuples); raises a
         ValueError naming the field. Runs on construction and again at submit, so a field
         changed after construction is checked too."""
-        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else _items(self.stop)
+        if stop is None or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop = tuple(stop)
-        ids = () if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+        self.stop = stop
+        ids = () if self.stop_token_ids is None else _items(self.stop_token_ids)
+        if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(int(t) for t in ids)
         _check_int("max_tokens", self.max_tokens, 1)
@@ -66,6 +66,12 @@ class SamplingParams:
             _check_real(name, getattr(self, name), -2.0, 2.0, "in [-2, 2] (0 disables it)")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, "None or an integer in [0, 20]", hi=20)
+        # Plain Python numbers from here on (a numpy seed overflowed the per-step seed mix).
+        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            setattr(self, name, float(getattr(self, name)))
 
     @property
     def penalized(self) -> bool:
@@ -74,6 +80,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _items(v: Any) -> tuple | None:
+    """A list, tuple, set, range, array or generator as a tuple; None for anything else."""
+    if isinstance(v, (str, bytes, dict)):
+        return None
+    try:
+        return tuple(v)
+    except TypeError:
+        return None
 
 
 def _is_int(v: Any) -> bool:

@@ -62,6 +62,10 @@ class Scheduler:
         while not self.kv.ensure_pages(r, num_tokens):
             victim = next((v for v in reversed(self.running) if v.request_id not in scheduled and v is not r), None)
             if victim is None:
+                # r alone: giving way itself would leave nothing running, and it could never
+                # come back while history pins hold the pages. Those go first.
+                if len(self.running) == 1 and self.kv.ensure_pages(r, num_tokens, unpin=True):
+                    return True
                 self._preempt(r)
                 return False
             self._preempt(victim)
@@ -84,7 +88,8 @@ class Scheduler:
                 skipped.append(r)
                 continue
             n = min(r.num_pending, budget)
-            if not self.kv.ensure_pages(r, r.num_computed + n):
+            # With nothing running, pinned history is all that can stand in r's way.
+            if not self.kv.ensure_pages(r, r.num_computed + n, unpin=not self.running):
                 self.kv.release(r, cache_tokens=False)
                 self.waiting.appendleft(r)
                 break

@@ -376,8 +376,13 @@ def test_xgrammar_regex_means_what_python_means(manager):
     assert xgrammar_regex(r"^a.c[.]\.[]x.][^].]$") == r"^a[^\n]c[.]\.[]x.][^].]$"
     c = manager.compile(make_output_spec(regex="a.c"), "xgrammar")
     assert manager.matches(c, "abc") and not manager.matches(c, "a\nc")
-    # Read otherwise by xgrammar: \A as the letter A, a "^" inside the pattern ignored.
-    for rx in (r"\Aab", r"ab\Z", "a^b", "a$b"):
+    # Anchors at the edges of the text are exact (xgrammar ignores them); \A and \Z, which it
+    # read as letters, become ^ and $.
+    for rx, yes, no in ((r"\Aab\Z", "ab", "AabZ"), ("^a$|^b$", "b", "ab"), ("(^a|^b)c", "bc", "c")):
+        c = manager.compile(make_output_spec(regex=rx), "xgrammar")
+        assert manager.matches(c, yes) and not manager.matches(c, no), rx
+    # An anchor inside the text (a^b matched "ab"), \G and inline flags are refused.
+    for rx in ("a^b", "a$b", "(a$|b)c", r"a\G", "(?s:a.b)"):
         with pytest.raises(GrammarError, match="as Python reads it"):
             manager.compile(make_output_spec(regex=rx), "xgrammar")
 

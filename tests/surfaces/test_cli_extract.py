@@ -55,7 +55,7 @@ def test_setup_errors_exit_2_before_any_row(tmp_path, capsys) -> None:
         (["extract", str(good), "-o", str(out), "--temperature", "nan"], "temperature must be a finite number"),
         (["extract", str(good), "-o", str(out), "--template", "{n:d}"], "format specs"),
         (["extract", str(good), "-o", str(out), "--device", "tpu"], "device must be"),
-        (["extract", str(good), "-o", str(out), "--threads", "0", "-v"], "--threads must be at least 1"),
+        (["extract", str(good), "-o", str(out), "--threads", "0", "-v"], "num_threads must be >= 1"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
@@ -64,6 +64,16 @@ def test_setup_errors_exit_2_before_any_row(tmp_path, capsys) -> None:
         assert "cannot load" not in err or message == "cannot load", err  # device/dtype are not the model's fault
         assert not out.exists()  # a failed set-up leaves no empty output file behind
     assert read_rows(good) == [{"id": 1, "text": "hi"}]  # the input, untouched
+
+
+def test_generate_exits_2_for_a_prompt_it_cannot_take(tiny_engine_factory, capsys) -> None:
+    eng = tiny_engine_factory()
+    assert main(["generate", "", "--raw", "--max-tokens", "3"], engine=eng) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+    assert main(["generate", "x " * 9000, "--raw", "--max-tokens", "3"], engine=eng) == 2
+    assert "tokens" in capsys.readouterr().err
+    assert main(["generate", "hello", "--raw", "--max-tokens", "3"], engine=eng) == 0  # free text cut: fine
+    assert "stopped at --max-tokens" in capsys.readouterr().err
 
 
 def test_template_escapes_are_read_as_newline_and_tab() -> None:

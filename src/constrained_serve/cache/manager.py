@@ -21,9 +21,10 @@ class KVCacheManager:
     def __init__(self, pool: PagePool, radix=None,
                  copy_page_prefix: Callable[[int, int, int], None] | None = None) -> None:
         self.pool = pool
-        # Called when eviction alone cannot free enough pages: lets open conversations drop
-        # the lock on their cached history (running work beats idle history; a conversation
-        # whose history is then evicted recomputes it on its next turn). Set by the engine.
+        # Lets open conversations drop the lock on their cached history (set by the engine).
+        # The scheduler asks for it only as a last resort: when a request could not run at
+        # all otherwise (it runs alone, or nothing runs and it waits first in line). A conversation
+        # whose history is then evicted recomputes it on its next turn.
         self.release_pins: Callable[[], None] | None = None
         self.page_size = pool.page_size
         self.radix = radix  # RadixCache or None (prefix caching off)
@@ -69,19 +70,21 @@ class KVCacheManager:
         """n fresh pages, evicting cached ones if needed; None when even that is not enough."""
         if self.pool.num_free < n and self.radix is not None:
             self.radix.evict(n - self.pool.num_free)
-            if self.pool.num_free < n and self.release_pins is not None:
-                self.release_pins()
-                self.radix.evict(n - self.pool.num_free)
         try:
             return self.pool.allocate(n)
         except OutOfPages:
             return None
 
-    def ensure_pages(self, r: Request, num_tokens: int) -> bool:
+    def ensure_pages(self, r: Request, num_tokens: int, unpin: bool = False) -> bool:
+        """Give r pages for num_tokens; ``unpin``: if eviction is not enough, release the
+        conversations' pins (see ``release_pins``) and evict again."""
         need = PagePool.pages_for(num_tokens, self.page_size) - len(r.pages)
         if need <= 0:
             return True
         pages = self._allocate(need)
+        if pages is None and unpin and self.release_pins is not None:
+            self.release_pins()
+            pages = self._allocate(need)
         if pages is None:
             return False
         r.pages.extend(pages)

@@ -26,7 +26,7 @@ def canonical_json(value: Any) -> str:
 
 
 # Keywords whose value maps names to schemas; only "properties" keeps its order.
-_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+SCHEMA_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 # Keywords whose value is data, not a schema: a key "properties" in there means nothing.
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
@@ -39,7 +39,7 @@ def _canon(value: Any, schema: bool = True) -> Any:
         out = {}
         for k in sorted(value.keys(), key=str):
             v = value[k]
-            if schema and k in _NAME_MAPS and isinstance(v, Mapping):
+            if schema and k in SCHEMA_NAME_MAPS and isinstance(v, Mapping):
                 names = list(v) if k == "properties" else sorted(v, key=str)
                 out[k] = {n: _canon(v[n]) for n in names}
             else:

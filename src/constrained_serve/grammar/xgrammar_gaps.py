@@ -12,7 +12,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from ..errors import GrammarError
-from .spec import follow_local_refs, resolve_local_ref
+from .spec import SCHEMA_NAME_MAPS, follow_local_refs, resolve_local_ref
 
 __all__ = ["unsupported_schema_features", "xgrammar_regex"]
 
@@ -26,13 +26,12 @@ _FORMATS = frozenset({
     "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
     "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
 })
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("additionalProperties", "additionalItems", "propertyNames", "contains", "not",
                   "if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "items")
 # Lookaround and backreferences: a regex engine without them would match something else.
 # \A \Z \z \G: xgrammar reads them as the letters A, Z, z, G.
-_UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|\\[1-9]|\\k<|\\[AZzG]")
+_UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|(?<!\\)(?:\\\\)*\\([1-9]|k<|[AZzG])")
 # Keywords that only constrain strings or numbers: xgrammar drops them from a schema without
 # "type" (which it reads as any value), and next to "enum"/"const" (it checks only those).
 _SCALAR_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
@@ -91,7 +90,7 @@ def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
     pat = schema.get("pattern")
     if isinstance(pat, str) and _UNSUPPORTED_REGEX.search(pat):
         found.append(f"{path}/pattern {pat!r}")
-    for key in _SCHEMA_MAPS:
+    for key in sorted(SCHEMA_NAME_MAPS):
         sub = schema.get(key)
         if isinstance(sub, dict):
             for name, s in sub.items():
@@ -163,36 +162,70 @@ def _constant(schema: Any) -> str | None:
 
 def xgrammar_regex(pattern: str) -> str:
     """``pattern`` as xgrammar must read it to mean what it means to Python's ``re`` and to
-    llguidance: a ``.`` outside a class becomes ``[^\\n]`` (xgrammar's ``.`` matches a
-    newline too). Raises GrammarError for what xgrammar would read otherwise: ``\\A``,
-    ``\\Z``, ``\\z``, ``\\G`` (taken as letters) and ``^``/``$`` inside the pattern (ignored;
-    ``a^b`` then matches "ab")."""
+    llguidance (a whole-text match): a ``.`` outside a class becomes ``[^\\n]`` (xgrammar's
+    ``.`` matches a newline too); ``\\A`` and ``\\Z``/``\\z`` become ``^`` and ``$``. xgrammar
+    ignores anchors, which is exact only where they stand at the edges of the text (``^a$|^b$``,
+    ``(^a|^b)c``); an anchor anywhere else (``a^b``, which then matched "ab"), ``\\G`` and
+    inline flags are refused with GrammarError."""
+    tokens = _regex_tokens(pattern)
+    if any(t == "\\G" or re.fullmatch(r"\(\?[a-zA-Z]+[:)]", t) for t in tokens):
+        raise _regex_error(pattern, "xgrammar has no \\G and no inline flags")
+    tokens = ["^" if t == "\\A" else "$" if t in ("\\Z", "\\z") else "[^\\n]" if t == "." else t
+              for t in tokens]
+    opens = [t.startswith("(") for t in tokens]
+    closes = [t == ")" for t in tokens]
+    for anchor, seq, is_open, is_close in (("^", tokens, opens, closes),
+                                          ("$", tokens[::-1], closes[::-1], opens[::-1])):
+        if not _anchors_at_edge(seq, anchor, is_open, is_close):
+            raise _regex_error(pattern, f"an anchor {anchor!r} inside the text, which xgrammar ignores")
+    return "".join(tokens)
+
+
+def _regex_tokens(pattern: str) -> list[str]:
+    """Escapes, classes, group openings ("(", "(?:", "(?P<n>", ...) and single characters."""
     out: list[str] = []
     i, n = 0, len(pattern)
-    in_class, body = False, 0  # inside [...]; where its body starts (a "]" there is literal)
     while i < n:
         ch = pattern[i]
-        if ch == "\\" and i + 1 < n:
-            if not in_class and pattern[i + 1] in "AZzG":
-                raise _regex_error(pattern, f"xgrammar reads \\{pattern[i + 1]} as the letter {pattern[i + 1]!r}")
-            out.append(pattern[i:i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = not (ch == "]" and i > body)
+        if ch == "\\":
+            j = i + 2
         elif ch == "[":
-            in_class = True
-            body = i + 2 if pattern.startswith("^", i + 1) else i + 1
-            out.append(pattern[i:body])
-            i = body
-            continue
-        elif ch == ".":
-            ch = "[^\\n]"
-        elif (ch == "^" and i > 0) or (ch == "$" and i < n - 1):
-            raise _regex_error(pattern, f"xgrammar ignores the anchor {ch!r} at position {i}")
-        out.append(ch)
-        i += 1
-    return "".join(out)
+            j = i + 1
+            j += pattern.startswith("^", j)
+            j += pattern.startswith("]", j)  # a "]" first in the class is literal
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            j += 1
+        elif ch == "(":
+            m = re.compile(r"\((\?(:|P?<[A-Za-z_]\w*>|[a-zA-Z]+[:)]))?").match(pattern, i)
+            j = m.end()
+        else:
+            j = i + 1
+        out.append(pattern[i:j])
+        i = j
+    return out
+
+
+def _anchors_at_edge(tokens: list[str], anchor: str, is_open: list[bool], is_close: list[bool]) -> bool:
+    """Every ``anchor`` comes before anything that consumes text, counting from the start
+    of the pattern through group openings and alternatives (for "$", run on the reversed
+    tokens with the roles of "(" and ")" swapped)."""
+    at_edge, stack = True, []  # stack: whether each open group began at the edge
+    for t, opening, closing in zip(tokens, is_open, is_close):
+        if opening:
+            stack.append(at_edge)
+        elif closing:
+            if stack:
+                stack.pop()
+            at_edge = False
+        elif t == "|":
+            at_edge = stack[-1] if stack else True
+        elif t == anchor:
+            if not at_edge:
+                return False
+        elif t not in ("^", "$"):  # the other anchor consumes nothing either
+            at_edge = False
+    return True
 
 
 def _regex_error(pattern: str, reason: str) -> GrammarError:
