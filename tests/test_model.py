@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from constrained_serve import Engine
 from constrained_serve.kernels import long_chunks
 from constrained_serve.models import loader
 from constrained_serve.models.cpu_linear import PackedLinear
@@ -162,3 +163,84 @@ def test_fp32_on_cpu_is_packed_unless_turned_off(tiny_llama_dir, default_tokeniz
     _, prefill_dense, decode_dense = _our_logits(tiny_llama_dir, default_tokenizer, PROMPTS[:2])
     for a, b in zip([*prefill_packed, *decode_packed], [*prefill_dense, *decode_dense]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _save_random(tmp_path, config, tokenizer):
+    """A tiny checkpoint whose biases are random too (HF initialises them to zero, which
+    would hide a bias the forward leaves out)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 or name.endswith("bias"):
+                p.normal_(0, 0.08)
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp_path))
+    return tmp_path
+
+
+def _small(cls, tok, **kw):
+    return cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               bos_token_id=1, eos_token_id=2, **kw)
+
+
+@pytest.mark.parametrize("variant", ["llama_biases_gelu", "qwen2_biases", "qwen3_attention_bias"])
+def test_config_variants_match_hf(variant, tmp_path, default_tokenizer):
+    """o_proj and MLP biases (attention_bias, mlp_bias) and hidden_act were read from the
+    config but not used: the outputs differed from HF's with no error."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    cfg = {"llama_biases_gelu": lambda: _small(LlamaConfig, default_tokenizer, attention_bias=True, mlp_bias=True,
+                                               hidden_act="gelu_pytorch_tanh"),
+           "qwen2_biases": lambda: _small(Qwen2Config, default_tokenizer),
+           "qwen3_attention_bias": lambda: _small(Qwen3Config, default_tokenizer, attention_bias=True, head_dim=32),
+           }[variant]()
+    folder = _save_random(tmp_path, cfg, default_tokenizer)
+    reqs, prefill, decode = _our_logits(folder, default_tokenizer, PROMPTS[:2])
+    for r, pre, dec in zip(reqs, prefill, decode):
+        ref = _hf_logits(folder, r.token_ids)
+        assert (pre - ref[-2]).abs().max().item() < 1e-4
+        assert (dec - ref[-1]).abs().max().item() < 1e-4
+
+
+def test_sliding_window_caps_the_context(tmp_path, default_tokenizer):
+    """We attend to the whole context, which equals windowed attention up to the window."""
+    from transformers import MistralConfig
+
+    from constrained_serve import Engine
+
+    folder = _save_random(tmp_path, _small(MistralConfig, default_tokenizer, sliding_window=32), default_tokenizer)
+    eng = Engine(model=str(folder), kv_cache_tokens=256)
+    assert eng.max_model_len == 32
+    [r] = eng.generate([list(range(5, 25))], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert r.finish_reason == "length" and len(r.token_ids) == 12
+
+
+def test_checkpoints_the_model_would_misread_are_refused(tmp_path, tiny_llama_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def variant(name, change):
+        d = tmp_path / name
+        shutil.copytree(tiny_llama_dir, d)
+        [f] = d.glob("*.safetensors")
+        w = load_file(str(f))
+        change(w)
+        save_file(w, str(f), metadata={"format": "pt"})
+        return d
+
+    extra = variant("extra", lambda w: w.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}))
+    with pytest.raises(ValueError, match="does not use.*o_proj.bias"):
+        Engine(model=str(extra))
+    # Rows moved from gate_proj to up_proj: the fused total is right, each part is not.
+    def shift(w):
+        g, u = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+        w[g], w[u] = w[g][:100].clone(), torch.cat([w[u], w[g][100:]]).clone()
+    with pytest.raises(ValueError, match="gate_proj.weight has 100 rows, expected 128"):
+        Engine(model=str(variant("shift", shift)))
+    with pytest.raises(ValueError, match="is a file"):
+        loader.resolve_model(str(tiny_llama_dir / "config.json"))

@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .engine import EngineCore
 from .errors import GrammarError, OutputError, OutputValidationError, PromptTooLongError
 from .models import loader
+from .models.llama import sliding_window_of
 from .params import OutputSpec, SamplingParams
 from .request import Request
 from .result import Result, Usage
@@ -64,6 +65,11 @@ class Engine:
         model_len = self.hf_config.max_position_embeddings
         if cfg.max_model_len is not None:
             model_len = min(model_len, cfg.max_model_len)
+        window = sliding_window_of(self.hf_config)
+        if window is not None and window < model_len:
+            # Full attention equals the model's windowed attention up to the window.
+            logger.warning("the model attends within a sliding window of %d tokens: context capped there", window)
+            model_len = window
         self.model = loader.build_model(src, self.hf_config, self.dtype, dev, cfg.load_format, max_positions=model_len)
         self.model_path = src.folder or src.gguf
         num_pages = self._num_pages(model_len)

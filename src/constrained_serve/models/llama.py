@@ -41,8 +41,15 @@ class ModelArchitecture:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # on q/k/v
     qk_norm: bool
+    o_bias: bool = False  # on o_proj (Llama/Qwen3 attention_bias=True)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    # Sliding-window attention (Mistral, Qwen2 use_sliding_window): None when off. We attend
+    # to the whole context, which is exact only up to the window: the engine caps its
+    # context there (see sliding_window_of).
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelArchitecture":
@@ -51,6 +58,9 @@ class ModelArchitecture:
             raise ValueError(f"model: unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        act = getattr(config, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"model: unsupported hidden_act {act!r}; supported: {sorted(_ACTIVATIONS)}")
         return cls(
             model_type=mt,
             vocab_size=config.vocab_size,
@@ -66,7 +76,26 @@ class ModelArchitecture:
             # Qwen2 has q/k/v biases without saying so in the config; Llama may via attention_bias.
             attention_bias=bool(getattr(config, "attention_bias", False)) or mt == "qwen2",
             qk_norm=mt == "qwen3",
+            o_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            hidden_act=act,
+            sliding_window=sliding_window_of(config),
         )
+
+
+def sliding_window_of(config) -> int | None:
+    """The attention window a config asks for, or None (full attention)."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+_ACTIVATIONS = {
+    "silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 class RMSNorm(nn.Module):
@@ -137,7 +166,7 @@ class Attention(nn.Module):
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
@@ -165,12 +194,13 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArchitecture) -> None:
         super().__init__()
         self.inter = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.act = _ACTIVATIONS[arch.hidden_act]
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -153,7 +153,11 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {folder} (pickle checkpoints are not loaded)")
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        try:
+            sf = safe_open(str(f), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types: say which file
+            raise ValueError(f"model: cannot read {f}: {e}") from e
+        with sf:
             for name in sf.keys():
                 yield name, sf.get_tensor(name)
 
@@ -170,6 +174,9 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(None, p)
+    if p.is_file():
+        raise ValueError(f"model: {p} is a file; pass the folder holding config.json, the tokenizer and "
+                         "the *.safetensors weights, or a .gguf file")
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ValueError(f"model: folder {p} has no config.json")
@@ -203,14 +210,23 @@ def _fuse_and_load(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]
     loaded: set[str] = set()
     fuse = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    a = model.arch
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": a.intermediate_size, "up_proj": a.intermediate_size}
+    ignored: list[str] = []
     for name, w in weights:
         name = name.removeprefix("model.") if not name.startswith("lm_head") else name
         if "rotary_emb" in name:
             continue
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in fuse:
+            if w.shape[0] != rows[parts[-2]]:  # checked per part: the fused total can hide a swap
+                raise ValueError(f"model: weight {name} has {w.shape[0]} rows, expected {rows[parts[-2]]}")
             target, idx = fuse[parts[-2]]
             key = ".".join(parts[:-2] + [target, parts[-1]])
+            if key not in params:
+                ignored.append(name)
+                continue
             pending.setdefault(key, {})[idx] = w
             n_parts = 3 if target == "qkv_proj" else 2
             if len(pending[key]) == n_parts:
@@ -220,16 +236,21 @@ def _fuse_and_load(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]
             continue
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # tied embeddings: some checkpoints store the copy anyway
+        if name not in params:
+            ignored.append(name)
+            continue
         _copy(params, name, w, loaded)
+    if ignored:
+        # A tensor the model has no place for is a feature it would silently leave out
+        # (a bias, another block): refuse rather than compute something else.
+        raise ValueError(f"model: checkpoint tensors this architecture does not use: {sorted(ignored)[:8]} "
+                         f"(model_type {a.model_type!r}; an unsupported variant?)")
     missing = set(params) - loaded
     if pending or missing:
         raise ValueError(f"model: checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
 
 
 def _copy(params: dict, name: str, w: torch.Tensor, loaded: set[str]) -> None:
-    if name not in params:
-        logger.debug("ignoring checkpoint tensor %s", name)
-        return
     p = params[name]
     if tuple(p.shape) != tuple(w.shape):
         raise ValueError(f"model: weight {name} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
