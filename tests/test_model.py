@@ -244,3 +244,18 @@ def test_checkpoints_the_model_would_misread_are_refused(tmp_path, tiny_llama_di
         Engine(model=str(variant("shift", shift)))
     with pytest.raises(ValueError, match="is a file"):
         loader.resolve_model(str(tiny_llama_dir / "config.json"))
+
+
+def test_stray_config_keys_and_mistral_consolidated_files_are_ignored(tmp_path, default_tokenizer):
+    """As HF reads them: a Qwen2 config's attention_bias key changes nothing (Qwen2 has fixed
+    biases), and a Mistral repo's consolidated.safetensors (Mistral's own tensor names, a
+    copy of the HF-named weights) is not loaded next to the model-*.safetensors files."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config
+
+    cfg = _small(Qwen2Config, default_tokenizer)
+    cfg.attention_bias = True  # a stray key in config.json
+    folder = _save_random(tmp_path, cfg, default_tokenizer)
+    save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64)}, str(folder / "consolidated.safetensors"))
+    reqs, prefill, _ = _our_logits(folder, default_tokenizer, PROMPTS[:1])
+    assert (prefill[0] - _hf_logits(folder, reqs[0].token_ids)[-2]).abs().max().item() < 1e-4

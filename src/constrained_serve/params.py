@@ -104,7 +104,10 @@ def _check_int(name: str, v: Any, lo: int | None, what: str | None = None, hi: i
 def _check_real(name: str, v: Any, lo: float, hi: float | None = None, what: str | None = None,
                 open_low: bool = False, open_high: bool = False) -> None:
     """A finite number in [lo, hi] (or with open ends); bools and strings are refused."""
-    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    try:
+        ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # an int too large for a float (10**400)
+        ok = False
     ok = ok and (v > lo if open_low else v >= lo)
     ok = ok and (hi is None or (v < hi if open_high else v <= hi))
     if not ok:

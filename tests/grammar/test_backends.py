@@ -382,7 +382,7 @@ def test_xgrammar_regex_means_what_python_means(manager):
         c = manager.compile(make_output_spec(regex=rx), "xgrammar")
         assert manager.matches(c, yes) and not manager.matches(c, no), rx
     # An anchor inside the text (a^b matched "ab"), \G and inline flags are refused.
-    for rx in ("a^b", "a$b", "(a$|b)c", r"a\G", "(?s:a.b)"):
+    for rx in ("a^b", "a$b", "(a$|b)c", r"a\G", "(?s:a.b)", "(^a)+", "(?:^a|b)*"):
         with pytest.raises(GrammarError, match="as Python reads it"):
             manager.compile(make_output_spec(regex=rx), "xgrammar")
 
@@ -392,7 +392,15 @@ def test_xgrammar_regex_means_what_python_means(manager):
     ('root ::= "caf\\u00e9" [\\u0041-\\u005A]', "caféQ", "cafeQ"),  # \u, which llguidance refused
     ('root ::= "\\U0001F600" [\\x5D\\x2D]', "😀-", "😀x"),
     ('root ::= "\\x22" [^\\x00-\\x1F"]+ "\\x22"  # a comment with "\\x41B"', '"ok"', '"o"k"'),
+    ('root ::= [\\x2D\\x30-\\x39]+', "-12", "a"),  # an escaped "-" next to a hex-digit escape
+    ('root ::= "\\x01\\x41" [\\u002Df]', "\x01A-", "\x1a-"),
 ])
 def test_gbnf_escapes_mean_what_llama_cpp_means(manager, backend, grammar, text, other):
     c = manager.compile(make_output_spec(grammar=grammar, grammar_syntax="gbnf"), backend)
     assert manager.matches(c, text) and not manager.matches(c, other)
+
+
+def test_gbnf_escape_that_is_no_character_is_a_grammar_error(manager, backend):
+    for bad in ('root ::= "\\UFFFFFFFF"', 'root ::= "\\uD800"'):
+        with pytest.raises(GrammarError, match="not a Unicode character"):
+            manager.compile(make_output_spec(grammar=bad, grammar_syntax="gbnf"), backend)

@@ -1,23 +1,26 @@
-"""GBNF character escapes, spelled so that both backends read them as llama.cpp does.
+"""GBNF character escapes, spelled for each backend so that it reads them as llama.cpp does.
 
 In llama.cpp's GBNF, ``\\xHH``, ``\\uHHHH`` and ``\\UHHHHHHHH`` take exactly 2, 4 and 8 hex
-digits. llguidance (1.9) refuses ``\\u``/``\\U`` in GBNF, and xgrammar (0.2.9) reads ``\\x``
-greedily: ``"\\x41B"`` became U+041B instead of "AB". Inside string literals and character
-classes we therefore write such an escape as the character itself, or, for characters
-with a meaning there (quote, brackets, backslash, ``-`` and ``^`` in a class, control
-characters), as the short escape both backends read the same way.
+digits. The backends (llguidance 1.9, xgrammar 0.2.9) each read one form differently:
+llguidance refuses ``\\u``/``\\U``; xgrammar reads ``\\x`` greedily (``"\\x41B"`` became U+041B
+instead of "AB") but ``\\u``/``\\U`` exactly. So, inside string literals and character classes:
+for llguidance, ``\\u``/``\\U`` become the character itself, or ``\\xHH`` where the character
+means something there (quote, bracket, backslash, ``-``/``^`` in a class, control characters;
+all below 0x80); for xgrammar, ``\\xHH`` becomes ``\\u00HH``.
 """
 from __future__ import annotations
 
 import re
 
-__all__ = ["normalize_gbnf_escapes"]
+from ..errors import GrammarError
+
+__all__ = ["gbnf_for_backend"]
 
 _ESCAPE = re.compile(r"\\(?:x([0-9A-Fa-f]{2})|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8}))")
-_SHORT = {"\t": "\\t", "\n": "\\n", "\r": "\\r", '"': '\\"', "\\": "\\\\", "[": "\\[", "]": "\\]"}
+_MEANINGFUL = {'"': '"\\[]', "[": '"\\[]-^'}  # characters with a role in a string / a class
 
 
-def normalize_gbnf_escapes(text: str) -> str:
+def gbnf_for_backend(text: str, backend: str) -> str:
     out: list[str] = []
     i, n = 0, len(text)
     context = None  # None (rules), '"' (in a string literal) or "[" (in a character class)
@@ -38,7 +41,7 @@ def normalize_gbnf_escapes(text: str) -> str:
         if ch == "\\":
             m = _ESCAPE.match(text, i)
             if m is not None:
-                out.append(_spell(chr(int(next(g for g in m.groups() if g), 16)), context))
+                out.append(_spell(_code_point(m), context, backend))
                 i = m.end()
             else:
                 out.append(text[i:i + 2])  # \n, \", \\, \] ...: both backends read these alike
@@ -51,9 +54,17 @@ def normalize_gbnf_escapes(text: str) -> str:
     return "".join(out)
 
 
-def _spell(c: str, context: str) -> str:
-    if c in _SHORT:
-        return _SHORT[c]
-    if ord(c) < 0x20 or ord(c) == 0x7F or (context == "[" and c in "-^"):
-        return f"\\x{ord(c):02X}"  # nothing printable: a hex escape (which no hex digit follows in practice)
+def _code_point(m: re.Match) -> int:
+    code = int(next(g for g in m.groups() if g), 16)
+    if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+        raise GrammarError(f"GBNF escape {m.group(0)} is not a Unicode character", reason="bad escape")
+    return code
+
+
+def _spell(code: int, context: str, backend: str) -> str:
+    if backend == "xgrammar":
+        return f"\\u{code:04X}" if code <= 0xFFFF else f"\\U{code:08X}"
+    c = chr(code)
+    if code < 0x20 or code == 0x7F or c in _MEANINGFUL[context]:
+        return f"\\x{code:02X}"  # llguidance reads \x as exactly two digits
     return c

@@ -19,6 +19,7 @@ from llguidance import LLExecutor, LLMatcher
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
+from .gbnf import gbnf_for_backend
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class LLGuidanceBackend(GrammarBackend):
             return LLMatcher.grammar_from_lark(lark)
         if spec.kind == "ebnf":
             try:
-                return llguidance.grammar_from("gbnf", spec.text)
+                return llguidance.grammar_from("gbnf", gbnf_for_backend(spec.text, self.name))
             except ValueError as e:
                 raise self._error(spec, str(e)) from e
         raise GrammarError(f"llguidance: unsupported output kind {spec.kind!r}", backend=self.name)

@@ -176,10 +176,6 @@ def make_output_spec(
         kind = _GRAMMAR_SYNTAXES.get(str(grammar_syntax).lower())
         if kind is None:
             raise GrammarError(f"grammar_syntax: expected 'lark', 'ebnf' or 'gbnf', got {grammar_syntax!r}")
-        if kind == "ebnf":
-            from .gbnf import normalize_gbnf_escapes
-
-            grammar = normalize_gbnf_escapes(grammar)
         return OutputSpec(kind, grammar, **common)  # type: ignore[arg-type]
     # choices
     if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):

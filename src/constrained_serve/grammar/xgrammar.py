@@ -18,6 +18,7 @@ import xgrammar as xgr
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
+from .gbnf import gbnf_for_backend
 from .xgrammar_gaps import unsupported_schema_features, xgrammar_regex
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class XGrammarBackend(GrammarBackend):
         if spec.kind == "lark":
             return c.compile_lark(spec.text)
         if spec.kind == "ebnf":
-            return c.compile_grammar(spec.text)
+            return c.compile_grammar(gbnf_for_backend(spec.text, self.name))
         if spec.kind == "choices":
             items = json.loads(spec.text)
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(x, ensure_ascii=False) for x in items))

@@ -172,6 +172,8 @@ def xgrammar_regex(pattern: str) -> str:
         raise _regex_error(pattern, "xgrammar has no \\G and no inline flags")
     tokens = ["^" if t == "\\A" else "$" if t in ("\\Z", "\\z") else "[^\\n]" if t == "." else t
               for t in tokens]
+    if _repeated_anchor(tokens):
+        raise _regex_error(pattern, "a repeated group holding an anchor, which xgrammar ignores")
     opens = [t.startswith("(") for t in tokens]
     closes = [t == ")" for t in tokens]
     for anchor, seq, is_open, is_close in (("^", tokens, opens, closes),
@@ -204,6 +206,24 @@ def _regex_tokens(pattern: str) -> list[str]:
         out.append(pattern[i:j])
         i = j
     return out
+
+
+def _repeated_anchor(tokens: list[str]) -> bool:
+    """A group with ``^``/``$`` inside under a quantifier: ``(^a)+`` matches only "a" in Python
+    (the anchor fails on the second round); xgrammar, ignoring it, takes "aa"."""
+    stack: list[bool] = []  # per open group: holds an anchor
+    for t, nxt in zip(tokens, tokens[1:] + [""]):
+        if t.startswith("("):
+            stack.append(False)
+        elif t == ")" and stack:
+            anchored = stack.pop()
+            if anchored and nxt[:1] in ("*", "+", "?", "{"):
+                return True
+            if stack:
+                stack[-1] = stack[-1] or anchored
+        elif t in ("^", "$") and stack:
+            stack[-1] = True
+    return False
 
 
 def _anchors_at_edge(tokens: list[str], anchor: str, is_open: list[bool], is_close: list[bool]) -> bool:

@@ -59,6 +59,7 @@ class ModelArchitecture:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         act = getattr(config, "hidden_act", "silu")
+        biased = bool(getattr(config, "attention_bias", False))
         if act not in _ACTIVATIONS:
             raise ValueError(f"model: unsupported hidden_act {act!r}; supported: {sorted(_ACTIVATIONS)}")
         return cls(
@@ -73,11 +74,13 @@ class ModelArchitecture:
             rms_norm_eps=config.rms_norm_eps,
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            # Qwen2 has q/k/v biases without saying so in the config; Llama may via attention_bias.
-            attention_bias=bool(getattr(config, "attention_bias", False)) or mt == "qwen2",
+            # As HF's modeling code reads the config: Qwen2 always has q/k/v biases (and no
+            # other); Llama and Qwen3 put attention_bias on q/k/v/o, Llama mlp_bias on the MLP;
+            # Mistral has none (a stray key in its config.json changes nothing).
+            attention_bias=(biased and mt in ("llama", "qwen3")) or mt == "qwen2",
             qk_norm=mt == "qwen3",
-            o_bias=bool(getattr(config, "attention_bias", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            o_bias=biased and mt in ("llama", "qwen3"),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)) and mt == "llama",
             hidden_act=act,
             sliding_window=sliding_window_of(config),
         )
@@ -87,6 +90,9 @@ def sliding_window_of(config) -> int | None:
     """The attention window a config asks for, or None (full attention)."""
     window = getattr(config, "sliding_window", None)
     if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:  # every layer attends fully
         return None
     return int(window) if window else None
 

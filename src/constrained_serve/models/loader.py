@@ -149,7 +149,7 @@ def convert_gguf(path: Path, target: Path) -> Path:
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    files = sorted(folder.glob("*.safetensors"))
+    files = _weight_files(folder)
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {folder} (pickle checkpoints are not loaded)")
     for f in files:
@@ -160,6 +160,19 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with sf:
             for name in sf.keys():
                 yield name, sf.get_tensor(name)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names when it has one, else all
+    but a ``consolidated*`` file next to HF-named ones (Mistral repos ship both, the former
+    with Mistral's own tensor names)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    hf_named = [f for f in files if not f.name.startswith("consolidated")]
+    return hf_named or files
 
 
 @dataclass
