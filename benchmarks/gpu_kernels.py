@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from constrained_serve.kernels import attention as A  # noqa: E402
 from constrained_serve.kernels import norm as N  # noqa: E402
 from constrained_serve.kernels import sampling as S  # noqa: E402
-from tests.kernel_tests.helpers import make_batch  # noqa: E402
+from tests.kernel_tests.helpers import expected_probs, make_batch  # noqa: E402
 
 CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
                  8: 26.124, 9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528,
@@ -251,21 +251,6 @@ def _params(R: int, dev, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0
                 seeds=torch.arange(seed0, seed0 + R, dtype=torch.int64, device=dev))
 
 
-def _expected(base: torch.Tensor, T: float, k: int, p: float, min_p: float) -> torch.Tensor:
-    probs = torch.softmax(base.double() / T, dim=-1)
-    sp, order = probs.sort(descending=True, stable=True)
-    keep = torch.ones_like(sp, dtype=torch.bool)
-    if 0 < k < len(sp):
-        keep[k:] = False
-    if p < 1.0:
-        keep &= (sp.cumsum(0) - sp) < p
-    if min_p > 0:
-        keep &= sp >= min_p * sp[0]
-    out = torch.zeros_like(probs)
-    out[order[keep]] = sp[keep]
-    return out / out.sum()
-
-
 def sampling_checks(b: Bench, smoke: bool) -> None:
     dev = b.device
     R, V = (64, 100) if smoke else (4096, 32000)
@@ -309,7 +294,7 @@ def sampling_checks(b: Bench, smoke: bool) -> None:
                                   ("topp", 1.0, 0, 0.8, 0.0), ("all", 1.5, 6, 0.9, 0.05)):
             tok = S.sample_triton(base.repeat(N, 1).to(dev), None, **_params(N, dev, T, k, p, mp))
             counts = torch.bincount(tok, minlength=12).double().cpu()
-            exp = _expected(base, T, k, p, mp) * N
+            exp = expected_probs(base, None, T, k, p, mp) * N
             kept = exp > 0
             assert counts[~kept].sum() == 0, (name, counts.tolist())
             stat = float(((counts[kept] - exp[kept]) ** 2 / exp[kept]).sum())

@@ -1,5 +1,8 @@
-"""Shared builders for the kernel tests: random paged batches and a triton guard."""
+"""Shared builders for the kernel tests (and benchmarks/gpu_kernels.py): random paged batches,
+a triton guard, and the reference distribution of the sampling filters."""
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -74,3 +77,24 @@ def dense_causal_attention(q: torch.Tensor, k_full: list[torch.Tensor], v_full: 
                 p = torch.softmax(s, dim=0)
                 out[qsl[b] + j, h] = p @ v[: pos + 1, h // group]
     return out
+
+
+def expected_probs(logits: torch.Tensor, allowed: torch.Tensor | None, T: float, k: int, p: float,
+              min_p: float) -> torch.Tensor:
+    """The filtered distribution by its definition, in float64, via a full sort."""
+    x = logits.double().clone()
+    if allowed is not None:
+        x[~allowed] = -math.inf
+    probs = torch.softmax(x / T, dim=-1)
+    sp, order = probs.sort(descending=True, stable=True)
+    keep = torch.ones_like(sp, dtype=torch.bool)
+    if 0 < k < len(sp):
+        keep[k:] = False
+    if p < 1.0:
+        keep &= (sp.cumsum(0) - sp) < p
+    keep &= sp > 0
+    if min_p > 0:
+        keep &= sp >= min_p * sp[0]
+    out = torch.zeros_like(probs)
+    out[order[keep]] = sp[keep]
+    return out / out.sum()

@@ -10,7 +10,7 @@ import torch
 
 from constrained_serve.kernels import sampling as S
 
-from .helpers import require_triton
+from .helpers import expected_probs, require_triton
 
 # Chi-square critical values at significance 0.001, by degrees of freedom (scipy is not
 # installed). Draws are seeded, so each test is deterministic; 0.001 keeps it from being
@@ -48,27 +48,6 @@ def _pack(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _expected(logits: torch.Tensor, allowed: torch.Tensor | None, T: float, k: int, p: float,
-              min_p: float) -> torch.Tensor:
-    """The filtered distribution by its definition, in float64, via a full sort."""
-    x = logits.double().clone()
-    if allowed is not None:
-        x[~allowed] = -math.inf
-    probs = torch.softmax(x / T, dim=-1)
-    sp, order = probs.sort(descending=True, stable=True)
-    keep = torch.ones_like(sp, dtype=torch.bool)
-    if 0 < k < len(sp):
-        keep[k:] = False
-    if p < 1.0:
-        keep &= (sp.cumsum(0) - sp) < p
-    keep &= sp > 0
-    if min_p > 0:
-        keep &= sp >= min_p * sp[0]
-    out = torch.zeros_like(probs)
-    out[order[keep]] = sp[keep]
-    return out / out.sum()
-
-
 # (name, logits, allowed-token mask or None, T, top_k, top_p, min_p). Logits cross zero and
 # one case is all negative and large: the Triton radix select orders floats by their bits.
 _V = 12
@@ -94,7 +73,7 @@ def test_seeded_draws_follow_filtered_softmax(impl, case):
     bitmask = None if allowed is None else _pack(allowed.repeat(N, 1))
     tokens = sample(logits, bitmask, **_params(N, T, k, p, mp, seed0=1000))
     counts = torch.bincount(tokens, minlength=_V).double()
-    expected = _expected(base, allowed, T, k, p, mp) * N
+    expected = expected_probs(base, allowed, T, k, p, mp) * N
     outside = expected == 0
     assert counts[outside].sum() == 0, f"drew filtered-out tokens: {counts.tolist()}"
     kept = ~outside
