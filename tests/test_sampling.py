@@ -18,6 +18,10 @@ from constrained_serve.sampler import step_seed
     (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(top_k=True), "top_k"),
     (dict(max_tokens=True), "max_tokens"), (dict(seed=True), "seed"), (dict(ignore_eos="no"), "ignore_eos"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    # values the float32/int32 sampler would turn into inf or 0
+    (dict(temperature=1e39), "temperature"), (dict(top_p=1e-46), "top_p"),
+    (dict(repetition_penalty=1e-46), "repetition_penalty"), (dict(top_k=2**31), "top_k"),
+    (dict(seed=2**70), "seed"), (dict(temperature=10**400), "temperature"),
 ])
 def test_bad_sampling_params_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -298,6 +298,8 @@ def _progress_bar(total: int | None, initial: int) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.prompt.strip():
+        raise SetupError("the prompt is empty")
     spec = _spec(args, default_any_json=False)
     params = _sampling(args)
     engine = _load_engine(args)

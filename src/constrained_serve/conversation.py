@@ -116,11 +116,11 @@ class Conversation:
             self._node, self.pages = None, []
 
     def close(self) -> None:
-        if not self.closed:
-            with self.engine._core_lock:
+        with self.engine._core_lock:  # closed is set under the lock _pin takes: no re-pin after
+            if not self.closed:
+                self.closed = True
                 self.unpin()
                 self.engine.core.page_holders.discard(self)
-            self.closed = True
 
     def __enter__(self) -> "Conversation":
         return self

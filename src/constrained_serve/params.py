@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
@@ -55,10 +56,12 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, 1)
         _check_real("temperature", self.temperature, 0.0)
         _check_real("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", open_low=True)
-        _check_int("top_k", self.top_k, 0, "an integer >= 0 (0 disables it)")
+        _check_int("top_k", self.top_k, 0, "an integer in [0, 2**31) (0 disables it)", hi=2**31 - 1)
         _check_real("min_p", self.min_p, 0.0, 1.0, "in [0, 1)", open_high=True)
-        if self.seed is not None:
-            _check_int("seed", self.seed, None, "an integer or None")
+        if self.seed is not None:  # mixed into 64-bit per-step seeds: a wider one would wrap
+            _check_int("seed", self.seed, -2**63, "None or an integer in [-2**63, 2**64)", hi=2**64 - 1)
+        if type(self.ignore_eos).__name__ == "bool_":  # numpy's bool
+            self.ignore_eos = bool(self.ignore_eos)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         _check_real("repetition_penalty", self.repetition_penalty, 0.0, None, "> 0 (1 disables it)", open_low=True)
@@ -106,10 +109,14 @@ def _check_real(name: str, v: Any, lo: float, hi: float | None = None, what: str
     """A finite number in [lo, hi] (or with open ends); bools and strings are refused."""
     try:
         ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-    except OverflowError:  # an int too large for a float (10**400)
+        # The sampler works in float32: the value must survive that too (1e39 becomes inf,
+        # top_p=1e-46 becomes 0, which filtered out every token).
+        v32 = struct.unpack("f", struct.pack("f", float(v)))[0] if ok else v
+        ok = ok and math.isfinite(v32)
+    except OverflowError:  # an int too large for a float (10**400), or a float for float32
         ok = False
-    ok = ok and (v > lo if open_low else v >= lo)
-    ok = ok and (hi is None or (v < hi if open_high else v <= hi))
+    ok = ok and all((x > lo if open_low else x >= lo) and (hi is None or (x < hi if open_high else x <= hi))
+                    for x in (v, v32))
     if not ok:
         raise ValueError(f"{name} must be a finite number {what or f'>= {lo}'}, got {v!r}")
 

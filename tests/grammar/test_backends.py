@@ -378,7 +378,8 @@ def test_xgrammar_regex_means_what_python_means(manager):
     assert manager.matches(c, "abc") and not manager.matches(c, "a\nc")
     # Anchors at the edges of the text are exact (xgrammar ignores them); \A and \Z, which it
     # read as letters, become ^ and $.
-    for rx, yes, no in ((r"\Aab\Z", "ab", "AabZ"), ("^a$|^b$", "b", "ab"), ("(^a|^b)c", "bc", "c")):
+    for rx, yes, no in ((r"\Aab\Z", "ab", "AabZ"), ("^a$|^b$", "b", "ab"), ("(^a|^b)c", "bc", "c"),
+                        (r"[\^x]a", "^a", "1a"), (r"[\^]a", "^a", "1a"), ("(?:^x)?y{1,3}", "xyy", "xxy")):
         c = manager.compile(make_output_spec(regex=rx), "xgrammar")
         assert manager.matches(c, yes) and not manager.matches(c, no), rx
     # An anchor inside the text (a^b matched "ab"), \G and inline flags are refused.

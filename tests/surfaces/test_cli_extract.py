@@ -68,8 +68,9 @@ def test_setup_errors_exit_2_before_any_row(tmp_path, capsys) -> None:
 
 def test_generate_exits_2_for_a_prompt_it_cannot_take(tiny_engine_factory, capsys) -> None:
     eng = tiny_engine_factory()
-    assert main(["generate", "", "--raw", "--max-tokens", "3"], engine=eng) == 2
-    assert "prompt is empty" in capsys.readouterr().err
+    for argv in (["generate", "", "--raw"], ["generate", " "], ["generate", "", "--raw", "--regex", "a+"]):
+        assert main(argv + ["--max-tokens", "3"], engine=eng) == 2, argv
+        assert "prompt is empty" in capsys.readouterr().err
     assert main(["generate", "x " * 9000, "--raw", "--max-tokens", "3"], engine=eng) == 2
     assert "tokens" in capsys.readouterr().err
     assert main(["generate", "hello", "--raw", "--max-tokens", "3"], engine=eng) == 0  # free text cut: fine

@@ -170,8 +170,8 @@ def xgrammar_regex(pattern: str) -> str:
     tokens = _regex_tokens(pattern)
     if any(t == "\\G" or re.fullmatch(r"\(\?[a-zA-Z]+[:)]", t) for t in tokens):
         raise _regex_error(pattern, "xgrammar has no \\G and no inline flags")
-    tokens = ["^" if t == "\\A" else "$" if t in ("\\Z", "\\z") else "[^\\n]" if t == "." else t
-              for t in tokens]
+    tokens = ["^" if t == "\\A" else "$" if t in ("\\Z", "\\z") else "[^\\n]" if t == "." else
+              _class(t, pattern) if t.startswith("[") else t for t in tokens]
     if _repeated_anchor(tokens):
         raise _regex_error(pattern, "a repeated group holding an anchor, which xgrammar ignores")
     opens = [t.startswith("(") for t in tokens]
@@ -208,6 +208,19 @@ def _regex_tokens(pattern: str) -> list[str]:
     return out
 
 
+def _class(token: str, pattern: str) -> str:
+    """xgrammar reads an escaped ``\\^`` first in a class as negation (``[\\^x]`` took "1"):
+    move it to the end, where it is a plain character."""
+    head = "[^" if token.startswith("[^") else "["
+    body = token[len(head):-1]
+    if not body.startswith("\\^"):
+        return token
+    rest = body[2:]
+    if rest.startswith("-") or rest.endswith("-"):  # a range from "^", or a dangling "-"
+        raise _regex_error(pattern, f"the class {token}, which xgrammar reads as a negated class")
+    return f"{head}{rest}\\^]" if rest or head == "[^" else "\\^"
+
+
 def _repeated_anchor(tokens: list[str]) -> bool:
     """A group with ``^``/``$`` inside under a quantifier: ``(^a)+`` matches only "a" in Python
     (the anchor fails on the second round); xgrammar, ignoring it, takes "aa"."""
@@ -217,7 +230,7 @@ def _repeated_anchor(tokens: list[str]) -> bool:
             stack.append(False)
         elif t == ")" and stack:
             anchored = stack.pop()
-            if anchored and nxt[:1] in ("*", "+", "?", "{"):
+            if anchored and nxt[:1] in ("*", "+", "{"):  # "?" runs the group at most once
                 return True
             if stack:
                 stack[-1] = stack[-1] or anchored
