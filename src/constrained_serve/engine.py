@@ -184,10 +184,10 @@ class EngineCore:
             r.token_ids.append(tok)
             if r.logprobs is not None:
                 r.logprobs.append(logprobs[j] if logprobs is not None else None)
-            # A backend that failed while computing this step's mask (a parser limit) is in
-            # an error state already; one that refuses the token may be at a dead end.
-            failed = r.matcher.error() if r.matcher is not None else None
-            if r.matcher is not None and (failed is not None or not r.matcher.accept_tokens([tok])):
+            if r.matcher is not None and not r.matcher.accept_tokens([tok]):
+                # A backend that failed (a parser limit, perhaps while computing this step's
+                # mask) refuses every token and says why; otherwise a dead end in the spec.
+                failed = r.matcher.error()
                 why = self._backend_failure(r, failed) if failed else self._rejection_message(r, tok)
                 self._emit(r, [tok])
                 self.abort(r, "abort", why, "GrammarError")
