@@ -26,7 +26,7 @@ import torch
 
 from ..errors import GrammarError
 from ..params import OutputSpec
-from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, allocate_bitmask, bitmask_width
+from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, allocate_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,6 @@ class GrammarManager:
             raise ValueError(f"default_backend must be one of {BACKENDS}, got {default_backend!r}")
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
-        self.width = bitmask_width(self.vocab_size)
         self.default_backend = default_backend
         self.eos_token_ids = list(eos_token_ids or ())
         self.cache_size = int(cache_size)
