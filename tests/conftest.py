@@ -87,3 +87,47 @@ def tiny_engine_factory(tiny_llama_dir):
         return Engine(model=str(tiny_llama_dir), **kw)
 
     return make
+
+
+def _sentencepiece_model(path, variant: str):
+    """A tiny Llama with a SentencePiece-style (Llama/Mistral) tokenizer: "legacy" (a "▁"
+    prepended by the normalizer, as Llama-2's tokenizer.json) or "metaspace" (Metaspace with
+    prepend_scheme "first", as Mistral v0.3). Both read a text as the start of a text."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = "hello world say more about the story of a cat and a dog in the garden".split()
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) + " [INST] [/INST]" for _ in range(300)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if variant == "legacy":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    spec = json.loads(tok.to_str())  # byte tokens are ordinary pieces in a SentencePiece vocabulary
+    for i in range(256):
+        spec["model"]["vocab"].setdefault(f"<0x{i:02X}>", len(spec["model"]["vocab"]))
+    spec["model"]["byte_fallback"] = True
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                 bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+                        " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+    hf.save_pretrained(str(path))
+    cfg = LlamaConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_model_dirs(tmp_path_factory):
+    """{"legacy": dir, "metaspace": dir}: tiny Llamas with SentencePiece-style tokenizers."""
+    return {v: _sentencepiece_model(tmp_path_factory.mktemp(f"sp_{v}"), v) for v in ("legacy", "metaspace")}

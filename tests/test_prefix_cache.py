@@ -151,48 +151,12 @@ def test_conversation_history_is_the_text_a_stop_left(tiny_engine_factory):
             assert r2.error is None and len(conv.history) == 4
 
 
-def _sentencepiece_model(tmp_path, variant: str):
-    """A tiny Llama with a SentencePiece-style (Llama/Mistral) tokenizer: "legacy" (a "▁"
-    prepended by the normalizer, as Llama-2's tokenizer.json) or "metaspace" (Metaspace with
-    prepend_scheme "first", as Mistral v0.3). Both read a text as the start of a text."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    words = "hello world say more about the story of a cat and a dog in the garden".split()
-    rng = random.Random(0)
-    corpus = [" ".join(rng.choice(words) for _ in range(12)) + " [INST] [/INST]" for _ in range(300)]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    if variant == "legacy":
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
-    spec = json.loads(tok.to_str())  # byte tokens are ordinary pieces in a SentencePiece vocabulary
-    for i in range(256):
-        spec["model"]["vocab"].setdefault(f"<0x{i:02X}>", len(spec["model"]["vocab"]))
-    spec["model"]["byte_fallback"] = True
-    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
-                                 bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    hf.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
-                        " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
-    hf.save_pretrained(str(tmp_path))
-    cfg = LlamaConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
-    return Engine(model=str(tmp_path), kv_cache_tokens=2048, page_size=4)
-
-
 @pytest.mark.parametrize("variant", ["legacy", "metaspace"])
-def test_conversation_with_a_sentencepiece_tokenizer(tmp_path, variant):
+def test_conversation_with_a_sentencepiece_tokenizer(sentencepiece_model_dirs, variant):
     """A new turn is tokenized as it stands in the whole rendered conversation (after the
     end-of-turn token), and the tail a stop string left is tokenized to read exactly as the
     text the user saw: no "▁" a SentencePiece tokenizer adds at the start of a text."""
-    eng = _sentencepiece_model(tmp_path, variant)
+    eng = Engine(model=str(sentencepiece_model_dirs[variant]), kv_cache_tokens=2048, page_size=4)
     tok, eos = eng.tokenizer, eng.tokenizer.eos_token_id
 
     def after_last_eos(ids):

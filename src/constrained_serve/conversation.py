@@ -21,7 +21,7 @@ import threading
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, encode, encode_continuation
 from .params import SamplingParams
 from .result import Result
 
@@ -61,13 +61,13 @@ class Conversation:
         eos_text = tok.decode([eos_id])
         cut = prev.rfind(eos_text) if eos_text else -1
         if cut < 0:
-            return self.token_ids + _encode(tok, full[len(prev):])
+            return self.token_ids + encode(tok, full[len(prev):])
         delimiter = prev[cut + len(eos_text):]
         # Tokenized after the end-of-turn token, as in the whole rendered text: a SentencePiece
         # tokenizer would otherwise read the new part as the start of a text ("▁[INST]"
         # where the full text has "[INST]", for Metaspace with prepend_scheme "first").
-        ids = _encode(tok, eos_text + delimiter + full[len(prev):])
-        new = ids[1:] if ids and ids[0] == eos_id else _encode(tok, delimiter + full[len(prev):])
+        ids = encode(tok, eos_text + delimiter + full[len(prev):])
+        new = ids[1:] if ids and ids[0] == eos_id else encode(tok, delimiter + full[len(prev):])
         return self.token_ids + new
 
     def send(self, content: str, params: SamplingParams | None = None, **spec_kwargs: Any) -> Result:
@@ -157,31 +157,13 @@ def _ids_for_text(tokenizer, prompt_ids: list[int], out_ids: list[int], text: st
             done = len(detok.text)
     rest = text[done:]
     kept = out_ids[:keep]
-    return kept + (_encode_continuation(tokenizer, prompt_ids[-4:] + kept, rest) if rest else [])
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _encode_continuation(tokenizer, context: list[int], text: str) -> list[int]:
-    """Token ids that read as ``text`` right after ``context``. A byte-level BPE tokenizes a
-    text the same wherever it stands; a SentencePiece one reads it as the start of a text
-    and adds a space ("▁n" for "n"). Then the text is tokenized after an anchor ("\n")
-    whose tokens are dropped. Each candidate is checked by decoding it after the context."""
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    before = decode(context)
-    plain = _encode(tokenizer, text)
-    if decode(context + plain) == before + text:
-        return plain
-    for anchor in ("\n", "."):
-        head, ids = _encode(tokenizer, anchor), _encode(tokenizer, anchor + text)
-        if ids[:len(head)] == head and decode(context + ids[len(head):]) == before + text:
-            return ids[len(head):]
-    logger.debug("no tokenization of %r reads back exactly after the kept tokens", text)
-    return plain
+    if not rest:
+        return kept
+    tail = encode_continuation(tokenizer, rest, prompt_ids[-4:] + kept)
+    if tail is None:
+        logger.debug("no tokenization of %r reads back exactly after the kept tokens", rest)
+        tail = encode(tokenizer, rest)
+    return kept + tail
 
 
 def send_many(conversations: Sequence[Conversation], contents: Sequence[str],

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+_ANCHORS = ("\n", ".")
+
 
 def cut_at_stop(text: str, stops: Sequence[str], *, final: bool) -> str:
     """The part of an output's text a user may see: everything before the first stop string.
@@ -57,3 +59,34 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def encode_continuation(tokenizer, text: str, context: Sequence[int] | None = None) -> list[int] | None:
+    """Token ids that read as ``text`` right after the tokens ``context`` (None: after any
+    text); None when no tokenization tried does. A byte-level BPE tokenizes a text the same
+    wherever it stands; a SentencePiece one reads it as the start of a text and adds a space
+    ("▁n" for "n"), which its decoder hides at the start of a decode. So the text is also
+    tokenized after an anchor ("\n") whose tokens are dropped, and each candidate is checked
+    by decoding it after the context (the anchor's tokens when there is none)."""
+    ctx = list(context) if context is not None else encode(tokenizer, _ANCHORS[0])
+    before = _decode(tokenizer, ctx)
+
+    def reads_right(ids: list[int]) -> bool:
+        return _decode(tokenizer, ctx + ids) == before + text
+
+    plain = encode(tokenizer, text)
+    if reads_right(plain):
+        return plain
+    for anchor in _ANCHORS:
+        head, ids = encode(tokenizer, anchor), encode(tokenizer, anchor + text)
+        if ids[:len(head)] == head and reads_right(ids[len(head):]):
+            return ids[len(head):]
+    return None

@@ -405,3 +405,23 @@ def test_gbnf_escape_that_is_no_character_is_a_grammar_error(manager, backend):
     for bad in ('root ::= "\\UFFFFFFFF"', 'root ::= "\\uD800"'):
         with pytest.raises(GrammarError, match="not a Unicode character"):
             manager.compile(make_output_spec(grammar=bad, grammar_syntax="gbnf"), backend)
+
+
+@pytest.mark.parametrize("variant", ["legacy", "metaspace"])
+def test_forced_tokens_with_a_sentencepiece_tokenizer(sentencepiece_model_dirs, variant):
+    """A SentencePiece tokenizer reads a text as the start of a text ("▁{"): xgrammar's forced
+    string is tokenized as it reads mid-output, so both backends force the same tokens (it
+    used to force nothing) and they read back as the grammar's text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(sentencepiece_model_dirs[variant]))
+    forced = {}
+    for name in ("llguidance", "xgrammar"):
+        gm = GrammarManager(tok, len(tok), eos_token_ids=[tok.eos_token_id])
+        m = gm.new_matcher(gm.compile(make_output_spec(schema=PERSON), name))
+        forced[name] = m.forced_tokens()
+        assert m.accept_tokens(forced[name])
+        gm.close()
+    assert tok.decode([tok.bos_token_id] + forced["xgrammar"], skip_special_tokens=True).startswith('{"name":')
+    assert forced["xgrammar"] and forced["xgrammar"] == forced["llguidance"][:len(forced["xgrammar"])]
+    assert "▁" not in tok.convert_ids_to_tokens(forced["xgrammar"])[0]

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 import xgrammar as xgr
 
+from ..detokenizer import encode_continuation
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
@@ -63,10 +64,10 @@ class XGrammarMatcher(GrammarMatcher):
         text = self._m.find_jump_forward_string()
         if not text:
             return []
-        tok = self._backend.tokenizer
-        ids = tok.encode(text, add_special_tokens=False)
-        # Tokenizers that normalize or add a prefix space do not round-trip: force nothing.
-        if tok.decode(ids) != text:
+        # Canonical tokens of the forced text as it reads mid-output (a SentencePiece
+        # tokenizer would put a "▁" before it); none that read back exactly: force nothing.
+        ids = encode_continuation(self._backend.tokenizer, text)
+        if not ids:
             return []
         # The last token could merge with what the model writes next ('"a' + 'ge' vs '"age'):
         # keep only the part whose canonical tokenization cannot change.
