@@ -94,6 +94,27 @@ def test_bad_grammar_is_refused_before_any_row(engine, tmp_path, capsys) -> None
     assert read_rows(out) == []
 
 
+def test_bad_spec_is_refused_before_the_weights_load(tiny_llama_dir, tmp_path, capsys) -> None:
+    """The spec is compiled with the model's tokenizer first: here the weights are missing,
+    and the error is the grammar's, found before the model load would have failed."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model, ignore=shutil.ignore_patterns("*.safetensors*"))
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": 1, "text": "hi"})])
+    grammar = tmp_path / "bad.lark"
+    grammar.write_text("start: undefined_rule\n")
+    out = tmp_path / "out.jsonl"
+    for argv in (["extract", str(src), "-o", str(out)], ["generate", "hi"]):
+        assert main(argv + ["--grammar", str(grammar), "--model", str(model)]) == 2
+        err = capsys.readouterr().err
+        assert "bad.lark" in err and "undefined_rule" in err and "cannot load" not in err, err
+    assert not out.exists()
+    # A good spec gets as far as the model load, which names the missing weights.
+    assert main(["generate", "hi", "--regex", "[a-z]+", "--model", str(model)]) == 2
+    assert "cannot load" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------
 # one row per line, in order, error rows for bad lines; rerun resumes
 
