@@ -9,7 +9,7 @@ from constrained_serve.sampler import step_seed
 @pytest.mark.parametrize("kwargs, name", [
     (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(min_p=1.0), "min_p"), (dict(stop=[""]), "stop"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=1.01), "min_p"), (dict(stop=[""]), "stop"),
     # non-finite numbers, wrong types: refused up front, never a NaN sampler or a mid-batch crash
     (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
     (dict(temperature="0.5"), "temperature"), (dict(temperature=None), "temperature"),
@@ -26,6 +26,18 @@ from constrained_serve.sampler import step_seed
 def test_bad_sampling_params_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_vllm_spellings_of_off_and_the_edges():
+    """top_k=-1 means off (vLLM); min_p=1 keeps only the most likely token (and its ties)."""
+    assert SamplingParams(top_k=-1).top_k == 0
+    import torch
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]]).repeat(200, 1)
+    col = lambda v, dt: torch.full((200,), v, dtype=dt)  # noqa: E731
+    tokens = sample_torch(logits, None, col(1.0, torch.float32), col(0, torch.int64), col(1.0, torch.float32),
+                          col(SamplingParams(min_p=1.0).min_p, torch.float32), torch.arange(200))
+    assert set(tokens.tolist()) == {1, 2}
 
 
 def test_params_take_numpy_numbers_and_any_iterable(tiny_engine_factory):
@@ -161,10 +173,16 @@ def test_stop_string_inside_a_long_fast_forward_is_seen(tiny_engine_factory):
     eng = tiny_engine_factory()
     forced = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma: "
     [r] = eng.generate(["x"], SamplingParams(max_tokens=60, stop=["beta"]), regex=forced + "[a-z ]{0,80}")
-    assert r.usage.forced_tokens > 10
+    [whole] = eng.generate(["x"], SamplingParams(max_tokens=60), regex=forced + "[a-z ]{0,80}")
+    assert whole.usage.forced_tokens > 10
     assert r.finish_reason == "stop" and r.text == "alpha " and r.stop_reason == "beta"
     assert r.parsed is None and r.error_type == "truncated" and "stop string 'beta'" in r.error
     assert r.usage.completion_tokens == r.usage.forced_tokens  # nothing sampled after the stop
+    # The output ends at the token that completes the stop string, as had the forced tokens
+    # been sampled one by one (fast_forward=False): none of the forced tokens after it.
+    ids = eng.tokenizer.encode(forced, add_special_tokens=False)
+    n = next(i + 1 for i in range(len(ids)) if "beta" in eng.tokenizer.decode(ids[: i + 1]))
+    assert r.token_ids == ids[:n]
 
 
 @pytest.mark.parametrize("fast_forward", [True, False])

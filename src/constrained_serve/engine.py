@@ -14,6 +14,7 @@ loop must match token for token.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,6 +103,8 @@ class EngineCore:
         cut = next((i for i, t in enumerate(forced) if t in r.params.stop_token_ids), None)
         if cut is not None:
             forced = forced[: cut + 1]
+        if r.params.stop and forced:  # so does the token that completes a stop string
+            forced = forced[: self._stop_string_end(r, forced)]
         if not forced:
             return []
         if not r.matcher.accept_tokens(forced):
@@ -238,6 +241,20 @@ class EngineCore:
         self.scheduler.finish(r, reason)
         self.finished_queue.append(r)
         return True
+
+    @staticmethod
+    def _stop_string_end(r: Request, forced: list[int]) -> int:
+        """How many of ``forced`` to append: up to the token whose text completes a stop
+        string (all of them if none does), as had they been sampled one at a time."""
+        detok = copy.copy(r.detok)
+        detok.ids = list(detok.ids)
+        longest = max(len(s) for s in r.params.stop)
+        start = max(0, r.stop_scanned - longest + 1)
+        for i, t in enumerate(forced):
+            detok.push([t])
+            if any(detok.text.find(s, start) >= 0 for s in r.params.stop):
+                return i + 1
+        return len(forced)
 
     @staticmethod
     def _stop_string_seen(r: Request) -> str | None:

@@ -19,9 +19,9 @@ class SamplingParams:
 
     max_tokens: int = 256
     temperature: float = 0.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 (or -1, as in vLLM) = off
     top_p: float = 1.0
-    min_p: float = 0.0
+    min_p: float = 0.0  # keep tokens with p >= min_p * the top p (1: only the top token and its ties)
     seed: int | None = None
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
@@ -56,8 +56,10 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, 1)
         _check_real("temperature", self.temperature, 0.0)
         _check_real("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", open_low=True)
-        _check_int("top_k", self.top_k, 0, "an integer in [0, 2**31) (0 disables it)", hi=2**31 - 1)
-        _check_real("min_p", self.min_p, 0.0, 1.0, "in [0, 1)", open_high=True)
+        _check_int("top_k", self.top_k, -1, "an integer in [-1, 2**31) (0 or -1 disables it)", hi=2**31 - 1)
+        if self.top_k == -1:  # vLLM's "off"
+            self.top_k = 0
+        _check_real("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
         if self.seed is not None:  # mixed into 64-bit per-step seeds: a wider one would wrap
             _check_int("seed", self.seed, -2**63, "None or an integer in [-2**63, 2**64)", hi=2**64 - 1)
         if type(self.ignore_eos).__name__ == "bool_":  # numpy's bool

@@ -150,13 +150,19 @@ def test_reference_does_not_modify_logits():
     assert torch.equal(logits, before)
 
 
-def test_triton_keeps_ties_at_the_top_k_threshold():
-    """Documented difference: the sort-free select keeps every token tied at the k-th logit."""
-    require_triton()
-    base = torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0, 0.5])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_ties_at_the_threshold_are_kept(impl):
+    """top-k and top-p keep every token tied at the threshold (HF's warpers and vLLM drop
+    only tokens below it); the torch path used to keep an arbitrary subset by sort rank."""
+    sample = _impl(impl)
     N = 600
-    tokens = S.sample_triton(base.repeat(N, 1), None, **_params(N, 1.0, top_k=2))
-    assert set(torch.unique(tokens).tolist()) == {0, 1, 2, 3}
+    for base, kw, kept in (
+        (torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0, 0.5]), {"top_k": 2}, {0, 1, 2, 3}),
+        (torch.tensor([1.0, 1.0, 1.0, -9.0, -9.0]), {"top_k": 1}, {0, 1, 2}),
+        (torch.tensor([2.0, 0.0, 0.0, 0.0, -9.0]), {"top_p": 0.75}, {0, 1, 2, 3}),
+    ):
+        tokens = sample(base.repeat(N, 1), None, **_params(N, 1.0, **kw))
+        assert set(torch.unique(tokens).tolist()) == kept, (base, kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

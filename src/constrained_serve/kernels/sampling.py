@@ -82,16 +82,16 @@ def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature
     R, V = probs.shape
     need_sort = bool(((top_k > 0) & (top_k < V)).any() or (top_p < 1.0).any())
     if need_sort:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(V, device=probs.device)[None, :]
-        k = torch.where(top_k > 0, top_k, V)[:, None]
-        drop = rank >= k
-        # top-p: keep the smallest prefix whose mass reaches top_p (always keep the first).
-        cum = sorted_p.cumsum(dim=-1)
+        # top-k and top-p each keep the tokens at or above a threshold probability, so ties
+        # at the threshold are all kept, as in HF's warpers, vLLM and the Triton kernel.
+        sorted_p = probs.sort(dim=-1, descending=True).values
+        k = torch.where(top_k > 0, top_k, V).clamp(1, V)[:, None]
+        # top-p: the smallest prefix whose mass reaches top_p (always at least one token).
         # Only where asked: with top_p == 1, fp32 rounding can push cum past 1 and drop the tail.
-        drop |= ((cum - sorted_p) >= top_p.float()[:, None]) & (top_p < 1.0)[:, None]
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+        in_p = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p.float()[:, None]
+        n_p = torch.where(top_p < 1.0, in_p.sum(dim=-1).clamp_min(1), V)[:, None]
+        thresh = sorted_p.gather(1, torch.minimum(k, n_p) - 1)
+        probs = probs.masked_fill(probs < thresh, 0.0)
     if (min_p > 0).any():
         thresh = probs.max(dim=-1, keepdim=True).values * min_p.float()[:, None]
         probs = probs.masked_fill(probs < thresh, 0.0)
@@ -112,9 +112,9 @@ def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature
 # The draw is Gumbel-max: argmax(logit / T + G) with G = -log(-log(U)), U = tl.rand(seed, tok),
 # i.e. the same law as the reference's argmax(p / E), E ~ Exp(1).
 # Passes over the vocab per row: 1 (greedy or plain sampling, min-p needs 2), 10 with top-k/p.
-# Ties exactly at a top-k/top-p threshold are all kept (the sort-based reference keeps an
-# arbitrary subset of them); the noise stream differs from the reference's torch generator,
-# so the two agree in distribution, not draw for draw.
+# Ties exactly at a top-k/top-p threshold are all kept, as in the reference; the noise stream
+# differs from the reference's torch generator, so the two agree in distribution, not draw
+# for draw.
 # --------------------------------------------------------------------------------------------
 from ._triton import HAS_TRITON, tl, triton  # noqa: F401
 
