@@ -376,17 +376,22 @@ class Engine:
     # ------------------------------------------------------------------ streaming and conversations
     def stream(self, prompt: str | Messages, params: SamplingParams | None = None,
                **spec_kwargs: Any) -> Iterator[str]:
-        """Yield text deltas as they are decoded (constrained or not). A request that fails
+        """An iterator of text deltas as they are decoded (constrained or not). Bad input
+        raises here, at the call; decoding starts at the first ``next()``. A request that fails
         midway (``finish_reason == "abort"``: a grammar dead end, no KV room) raises
         OutputError after the text it produced; truncation and stops end the stream quietly."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"stream takes one prompt and one SamplingParams, got {type(params).__name__}")
         params.validate()
         backend, spec_args = self._spec_args(spec_kwargs)
         spec = self.make_spec(**spec_args)
         if spec is not None:
             self.grammar.compile(spec, backend)
         ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
-        r = self._new_request(ids, params, spec, 0, backend)
+        return self._stream(self._new_request(ids, params, spec, 0, backend))
+
+    def _stream(self, r: Request) -> Iterator[str]:
         with self._core_lock:
             self.core.add(r)
         shown = 0  # characters of the output text already yielded
@@ -395,13 +400,16 @@ class Engine:
                 with self._core_lock:  # another thread may be stepping: read the text here
                     if not r.finished:
                         self.core.step()
-                    if r.finished:
+                    # What this pass saw: a step run by another call while this generator
+                    # waits at its yield may finish r, and its last text must still be shown.
+                    done = r.finished
+                    if done:
                         r.detok.flush()
-                    text = r.visible_text(final=r.finished)
+                    text = r.visible_text(final=done)
                 if len(text) > shown:
                     yield text[shown:]
                     shown = len(text)
-                if r.finished:
+                if done:
                     if r.finish_reason == "abort":  # failed (a grammar dead end, no room): say so
                         raise OutputError(f"stream aborted after {r.num_output} tokens: {r.error_type}: {r.error}")
                     return

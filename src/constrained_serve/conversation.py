@@ -22,6 +22,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .detokenizer import IncrementalDetokenizer, encode, encode_continuation
+from .interrupts import sigint_deferred
 from .params import SamplingParams
 from .result import Result
 
@@ -87,10 +88,12 @@ class Conversation:
         if not out or out[-1] not in self.engine.core.eos_token_ids:
             # Truncated or stopped by a stop string: close the turn so the template stays valid.
             ids.append(eos)
-        self.token_ids = ids
-        self.history.append({"role": "user", "content": content})
-        self.history.append({"role": "assistant", "content": res.text})
-        self._pin()
+        history = self.history + [{"role": "user", "content": content}, {"role": "assistant", "content": res.text}]
+        # Ctrl-C waits (interrupts.py): half a turn recorded, or a radix lock taken without
+        # its page references, would leave the conversation wrong for good.
+        with sigint_deferred():
+            self.token_ids, self.history = ids, history
+            self._pin()
 
     # ------------------------------------------------------------------ pinning
     def _pin(self) -> None:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .cache.manager import KVCacheManager
 from .detokenizer import IncrementalDetokenizer
+from .interrupts import sigint_deferred
 from .request import Request, Status
 from .runner import Batch, ModelRunner
 from .sampler import Sampler
@@ -49,7 +51,11 @@ class EngineCore:
         self.num_steps = 0
         self.check_each_step = False  # tests turn this on: integrity check after every step
         self.finished_queue: list[Request] = []
-        self.page_holders: set = set()  # open conversations pinning cached pages
+        # Open conversations pinning cached pages; weak, so one dropped unclosed is collected
+        # (its __del__ unpins) instead of pinning its history for the engine's lifetime.
+        self.page_holders: weakref.WeakSet = weakref.WeakSet()
+        self._in_step = False
+        self._deferred_aborts: list[tuple] = []
         kv.release_pins = self._release_pins
 
     def _release_pins(self) -> None:
@@ -66,6 +72,16 @@ class EngineCore:
         self.scheduler.add(r)
 
     def abort(self, r: Request, reason: str = "abort", error: str | None = None, error_type: str | None = None) -> None:
+        """End r now (from the API: a caller that stopped early, an error)."""
+        if self._in_step:
+            # Called from inside a step (a generator finalised by the garbage collector
+            # during the forward): freeing r's pages now would pull them from under the
+            # step. It happens when the step is done.
+            self._deferred_aborts.append((r, reason, error, error_type))
+            return
+        self._abort(r, reason, error, error_type)
+
+    def _abort(self, r: Request, reason: str = "abort", error: str | None = None, error_type: str | None = None) -> None:
         if r.finished:
             return
         r.error, r.error_type = error, error_type
@@ -85,7 +101,7 @@ class EngineCore:
             try:
                 compiled = fut.result()
             except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
-                self.abort(r, "abort", str(e), type(e).__name__)
+                self._abort(r, "abort", str(e), type(e).__name__)
                 continue
             r.compiled, r.matcher = compiled, self.grammar.new_matcher(compiled)
             r.grammar_future = None
@@ -109,7 +125,7 @@ class EngineCore:
             return []
         if not r.matcher.accept_tokens(forced):
             if (failed := r.matcher.error()) is not None:
-                self.abort(r, "abort", self._backend_failure(r, failed), "GrammarError")
+                self._abort(r, "abort", self._backend_failure(r, failed), "GrammarError")
             else:
                 logger.warning("grammar refused its own forced tokens %s", forced)
             return []
@@ -126,17 +142,30 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[Request]:
-        """Run one step; return the requests that finished during it."""
+        """Run one step; return the requests that finished during it. Ctrl-C waits for the
+        step to end (interrupts.py), and aborts asked for during the step apply after it."""
+        with sigint_deferred():
+            self._in_step = True
+            try:
+                self._step()
+            finally:
+                self._in_step = False
+                deferred, self._deferred_aborts = self._deferred_aborts, []
+                for args in deferred:
+                    self._abort(*args)
+        return self._drain()
+
+    def _step(self) -> None:
         if self.grammar is not None:
             self._prepare_grammars()
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.running or self._only_compiling():
-                return self._drain()
+                return
             # Nothing schedulable and nothing compiling: a waiting request can never fit.
             for r in list(self.scheduler.waiting):
-                self.abort(r, "abort", "request does not fit in the KV cache", "PromptTooLongError")
-            return self._drain()
+                self._abort(r, "abort", "request does not fit in the KV cache", "PromptTooLongError")
+            return
         inputs = self.runner.prepare(batch)
         sampling = batch.sampling_chunks
         reqs = [c.request for c in sampling]
@@ -154,7 +183,6 @@ class EngineCore:
         self.num_steps += 1
         if self.check_each_step:
             self.check_integrity()
-        return self._drain()
 
     def _only_compiling(self) -> bool:
         """Waiting requests whose grammar is not attached yet (compiling, or just done)."""
@@ -193,7 +221,7 @@ class EngineCore:
                 failed = r.matcher.error()
                 why = self._backend_failure(r, failed) if failed else self._rejection_message(r, tok)
                 self._emit(r, [tok])
-                self.abort(r, "abort", why, "GrammarError")
+                self._abort(r, "abort", why, "GrammarError")
                 continue
             self._emit(r, [tok])
             if self._check_stop(r, [tok]):

@@ -1,0 +1,109 @@
+"""Interrupts and interleaved callers: Ctrl-C in a step, an open stream finished by another
+call, generators finalised by the garbage collector mid-step, dropped conversations."""
+import gc
+import os
+import signal
+import threading
+
+import pytest
+
+from constrained_serve import SamplingParams
+
+P = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _consume(stream, timeout=60.0) -> str:
+    """The rest of a stream, read on a thread so that a hang fails the test instead of it."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(text="".join(stream)), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the stream never finished"
+    return out["text"]
+
+
+def test_ctrl_c_during_a_step_waits_for_the_step(tiny_engine_factory, monkeypatch):
+    """SIGINT while a step is half done (the running rows' computed counts moved, their tokens
+    not appended yet) used to leave an open stream's request unschedulable: it hung. Now the
+    interrupt is raised once the step is over, and the stream goes on exactly."""
+    eng = tiny_engine_factory()
+    ref = "".join(eng.stream("Once upon a time", P))
+    s = eng.stream("Once upon a time", P)
+    first = next(s)
+    share = eng.kv.share_progress
+    fired = []
+
+    def share_then_interrupt(r):
+        share(r)
+        if not fired:  # the new prompt's prefill, after the stream's row counted its token
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(eng.kv, "share_progress", share_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(["The capital of France is " * 3], P)
+    assert fired
+    assert all(r.num_pending >= 1 for r in eng.core.scheduler.running)
+    assert first + _consume(s) == ref
+    eng.core.check_integrity()
+    assert not eng.core.scheduler.running and not eng.core.scheduler.waiting
+
+
+def test_stream_shows_its_tail_when_another_call_finishes_it(tiny_engine_factory):
+    """Another call's steps may finish a stream's request while the stream waits at a yield:
+    the stream still yields the rest of the text (it used to end with nothing more)."""
+    eng = tiny_engine_factory()
+    ref = "".join(eng.stream("Once upon a time", P))
+    s = eng.stream("Once upon a time", P)
+    first = next(s)
+    eng.generate(["The capital of France is"], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert first + _consume(s) == ref
+
+
+def test_generator_collected_mid_step_is_aborted_after_the_step(tiny_engine_factory):
+    """An abandoned generate_iter in a reference cycle (Jupyter keeps them in tracebacks) may be
+    finalised by the garbage collector inside another call's forward. Its request is aborted
+    after that step, not during it (its pages were freed under the step: ValueError)."""
+    eng = tiny_engine_factory(max_num_batched_tokens=64)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    ref = [r.token_ids for r in eng.generate(prompts, P)]
+    g = eng.generate_iter(["Hi", "The history of the city. " * 40], SamplingParams(max_tokens=1))
+    next(g)
+    [req] = [r for r in eng.core.scheduler.running]
+    assert req.num_computed < req.num_prompt  # still prefilling
+    cycle = [g]
+    cycle.append(cycle)
+    del g, cycle
+    forward, calls = eng.core.runner.forward, []
+
+    def forward_then_collect(inputs):
+        out = forward(inputs)
+        if not calls:
+            calls.append(True)
+            gc.collect()
+        return out
+
+    eng.core.runner.forward = forward_then_collect
+    try:
+        assert [r.token_ids for r in eng.generate(prompts, P)] == ref
+    finally:
+        eng.core.runner.forward = forward
+    assert req.finished and req.finish_reason == "abort"
+    eng.core.check_integrity()
+    assert eng.pool.num_free + eng.kv.radix.cached_pages() == eng.pool.num_pages
+
+
+def test_a_dropped_conversation_is_collected_and_unpinned(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    conv = eng.conversation(system="You are terse.")
+    conv.send("hi", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert conv.pages
+    del conv
+    gc.collect()
+    assert len(eng.core.page_holders) == 0
+    eng.core.check_integrity()
+
+
+def test_stream_takes_one_sampling_params(tiny_engine_factory):
+    with pytest.raises(TypeError, match="one SamplingParams"):
+        tiny_engine_factory().stream("x", [SamplingParams()])
