@@ -107,3 +107,19 @@ def test_a_dropped_conversation_is_collected_and_unpinned(tiny_engine_factory):
 def test_stream_takes_one_sampling_params(tiny_engine_factory):
     with pytest.raises(TypeError, match="one SamplingParams"):
         tiny_engine_factory().stream("x", [SamplingParams()])
+
+
+def test_a_request_the_core_lost_fails_instead_of_spinning(tiny_engine_factory):
+    """Were a request ever dropped from the scheduler unfinished (an engine bug, an error
+    inside a step), its caller raises instead of waiting forever."""
+    eng = tiny_engine_factory()
+    it = eng.generate_iter(["a", "b"], [SamplingParams(max_tokens=2, ignore_eos=True), P])
+    next(it)  # "b" is still running
+    from constrained_serve.request import Status
+
+    [b] = eng.core.scheduler.running  # lost as if taken off the queue and never placed
+    eng.core.scheduler.running.remove(b)
+    b.status = Status.WAITING
+    with pytest.raises(RuntimeError, match="no longer scheduled"):
+        next(it)
+    assert b.finished and eng.pool.num_free + eng.kv.radix.cached_pages() == eng.pool.num_pages

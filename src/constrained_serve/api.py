@@ -335,8 +335,8 @@ class Engine:
                 if not pending and exhausted:
                     return
                 with self._core_lock:  # another thread's step may have finished ours meanwhile
-                    if self.core.has_work() and not (pending and _done(pending[0][2])):
-                        self.core.step()
+                    if pending and not _done(pending[0][2]):
+                        self._step_for(pending[0][2])
         finally:
             if bar is not None:
                 bar.close()
@@ -345,6 +345,14 @@ class Engine:
                     if isinstance(x, Request) and not x.finished:
                         self.core.abort(x)
                 self.core._drain()
+
+    def _step_for(self, r: Request) -> None:
+        """One step for a caller waiting on r (under the core lock). An unfinished request
+        the core no longer holds would make its caller spin forever: fail loudly instead."""
+        if not self.core.has_work():
+            raise RuntimeError(f"request {r.request_id} is unfinished but no longer scheduled "
+                               "(engine state lost, e.g. after an error inside a step)")
+        self.core.step()
 
     @staticmethod
     def _params_per_item(items: Iterable[Any], params) -> Callable[[int], SamplingParams]:
@@ -399,7 +407,7 @@ class Engine:
             while True:
                 with self._core_lock:  # another thread may be stepping: read the text here
                     if not r.finished:
-                        self.core.step()
+                        self._step_for(r)
                     # What this pass saw: a step run by another call while this generator
                     # waits at its yield may finish r, and its last text must still be shown.
                     done = r.finished
