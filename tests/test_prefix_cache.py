@@ -75,6 +75,56 @@ def test_prefix_ending_mid_page_is_reused_to_the_token(tiny_engine_factory):
     assert on.core.runner.tokens_computed == len(prompts[0]) + 5 * (len(prompts[0]) - common) + 6 * 2
 
 
+def test_cached_tokens_count_the_admission_that_happened(tiny_engine_factory):
+    """usage.cached_tokens is what the request's real admission reused: not the match of an
+    attempt that waited (for a twin computing the same page: it then reused more), nor of
+    one that found no room (the prefix was evicted before it ran)."""
+    eng = tiny_engine_factory(kv_cache_tokens=4096, page_size=4)
+    eng.core.check_each_step = True
+    head = list(range(3000, 3020))  # 5 pages
+    eng.generate([head + [1, 2]], SamplingParams(max_tokens=1))
+    prompt = head + list(range(4000, 4030))
+    before = eng.core.runner.tokens_computed
+    a, b = eng.generate([prompt, prompt], SamplingParams(max_tokens=1))
+    assert eng.core.runner.tokens_computed - before == 30 + 2
+    assert (a.usage.cached_tokens, b.usage.cached_tokens) == (20, 48)
+
+    eng = tiny_engine_factory(kv_cache_tokens=64, page_size=4, max_num_seqs=4)
+    eng.core.check_each_step = True
+    head = list(range(3000, 3032))  # 8 of the pool's 16 pages
+    eng.generate([head + [7]], SamplingParams(max_tokens=1))
+    big, x = list(range(5000, 5036)), head + list(range(6000, 6008))
+    before = eng.core.runner.tokens_computed
+    _, rx = eng.generate([big, x], [SamplingParams(max_tokens=28, ignore_eos=True), SamplingParams(max_tokens=1)])
+    assert eng.core.runner.tokens_computed - before == 36 + 27 + 40  # x computed in full
+    assert rx.usage.cached_tokens == 0
+
+
+def test_a_page_completed_by_decoding_is_shared_at_once(tiny_engine_factory):
+    """A prompt that extends a running request's prompt and output waits at most a step for
+    the page being written, not for that request to finish (decoded pages used to be
+    published only at its end)."""
+    ref = tiny_engine_factory(enable_prefix_cache=False)
+    first = list(range(1000, 1010))  # ends inside a page
+    [a] = ref.generate([first], SamplingParams(max_tokens=60, ignore_eos=True))
+    second = first + a.token_ids[:6] + [555, 556, 557]
+    [alone] = ref.generate([second], SamplingParams(max_tokens=3, ignore_eos=True))
+    eng = tiny_engine_factory(page_size=4)
+    eng.core.check_each_step = True
+    ra = eng._new_request(first, SamplingParams(max_tokens=60, ignore_eos=True), None, 0, None)
+    eng.core.add(ra)
+    for _ in range(7):  # prefill, then 6 decoded tokens
+        eng.core.step()
+    rb = eng._new_request(second, SamplingParams(max_tokens=3, ignore_eos=True), None, 1, None)
+    eng.core.add(rb)
+    steps = 0
+    while not rb.finished:
+        eng.core.step()
+        steps += 1
+    assert steps <= 4 and not ra.finished
+    assert rb.output_ids == alone.token_ids and rb.num_cached >= 12
+
+
 def test_conversation_appends_and_releases(tiny_engine_factory):
     eng = tiny_engine_factory()
     eng.core.check_each_step = True

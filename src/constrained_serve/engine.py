@@ -204,12 +204,15 @@ class EngineCore:
         return bitmask
 
     def _update(self, batch: Batch, tokens: list[int], logprobs: list | None = None) -> None:
+        ps = self.kv.page_size
         for c in batch.chunks:
-            c.request.num_computed += c.num_new
-            if c.num_new > 1:
-                # Publish prefill progress to the prefix cache now, not at finish, so requests
-                # waiting on the same prefix (admitted next step) reuse these pages.
-                self.kv.share_progress(c.request)
+            r = c.request
+            r.num_computed += c.num_new
+            if r.num_computed // ps > (r.num_computed - c.num_new) // ps:
+                # A page completed (by a prefill chunk or a decode step): publish it to the
+                # prefix cache now, not at finish, so requests that wait on the same prefix
+                # (Scheduler._prefix_in_flight) reuse it next step.
+                self.kv.share_progress(r)
         for j, (c, tok) in enumerate(zip(batch.sampling_chunks, tokens)):
             r = c.request
             r.token_ids.append(tok)

@@ -84,13 +84,13 @@ class Scheduler:
             if self._prefix_in_flight(r, scheduled):
                 # A running request is computing the very next page of r's prompt right now:
                 # wait one step and reuse it from the cache instead of computing it twice.
-                self.kv.release(r, cache_tokens=False)
+                self._not_admitted(r)
                 skipped.append(r)
                 continue
             n = min(r.num_pending, budget)
             # With nothing running, pinned history is all that can stand in r's way.
             if not self.kv.ensure_pages(r, r.num_computed + n, unpin=not self.running):
-                self.kv.release(r, cache_tokens=False)
+                self._not_admitted(r)
                 self.waiting.appendleft(r)
                 break
             r.status = Status.RUNNING
@@ -99,6 +99,15 @@ class Scheduler:
             budget -= n
         for r in reversed(skipped):
             self.waiting.appendleft(r)
+
+    def _not_admitted(self, r: Request) -> None:
+        """Undo match_prefix for a request that goes back to the queue: its pages, and the
+        cache hit it would have had (counted again at the admission that happens; the
+        prefix may be longer then, or evicted)."""
+        self.kv.release(r, cache_tokens=False)
+        r.num_computed = 0
+        if r.num_preemptions == 0:
+            r.num_cached = 0
 
     def _prefix_in_flight(self, r: Request, scheduled: dict[int, ScheduledChunk]) -> bool:
         """Does a prefilling request share r's first uncached page (in-batch prefix sharing)?"""
