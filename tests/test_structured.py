@@ -1,16 +1,19 @@
 """Structured generation end to end on the real default model: every completed output
 matches its spec (jsonschema validation, regex fullmatch, Pydantic parsing)."""
+import datetime
 import json
 import re
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Literal
 
 import jsonschema
+import pydantic
 import pytest
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 
-from constrained_serve import GrammarError, OutputError, SamplingParams
+from constrained_serve import GrammarError, OutputError, OutputValidationError, SamplingParams
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "jsonschemabench"
 BASELINE = Path(__file__).parent / "grammar" / "baseline_jsonschemabench.json"
@@ -119,8 +122,38 @@ def test_valid_json_refused_by_the_pydantic_type_keeps_its_json(tiny_engine_fact
     [r] = eng.generate(["x"], SamplingParams(max_tokens=20), schema=Refused)
     assert r.finish_reason == "stop" and isinstance(r.json, dict) and set(r.json) == {"flag"}
     assert r.parsed is None and r.error_type == "OutputValidationError" and "never acceptable" in r.error
-    with pytest.raises(OutputError, match="never acceptable"):
+    # raise_on_error raises the specific, catchable type: its value, and Pydantic's errors as the cause.
+    with pytest.raises(OutputValidationError, match="never acceptable") as e:
         eng.generate(["x"], SamplingParams(max_tokens=20), schema=Refused, raise_on_error=True)
+    assert isinstance(e.value, OutputError) and e.value.value == r.json
+    assert isinstance(e.value.__cause__, pydantic.ValidationError)
+
+
+class Stamp(BaseModel):
+    model_config = ConfigDict(strict=True)
+    when: datetime.datetime
+    ref: uuid.UUID | str
+
+
+def test_parsed_is_what_the_type_reads_from_json():
+    """parsed is TypeAdapter.validate_json of the text: a strict model takes ISO datetimes and
+    UUIDs as JSON strings (Python-mode validation refused every valid output), and a union
+    "UUID | str" resolves to the UUID (Python mode picked the str)."""
+    from constrained_serve.grammar import make_output_spec, parse_output
+
+    text = '{"when":"2024-01-01T09:00:00Z","ref":"123e4567-e89b-12d3-a456-426614174000"}'
+    value, parsed = parse_output(make_output_spec(schema=Stamp), text)
+    assert parsed == Stamp.model_validate_json(text) and isinstance(parsed.ref, uuid.UUID)
+    assert value == json.loads(text)
+
+
+def test_a_per_prompt_spec_the_backend_refuses_raises_grammar_error(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    rs = eng.generate(["x", "y"], SamplingParams(max_tokens=4), schema=[Refused, {"not": {"type": "string"}}])
+    assert rs[0].error_type != "GrammarError" and rs[1].error_type == "GrammarError"
+    with pytest.raises(GrammarError, match="request 1"):
+        eng.generate(["x", "y"], SamplingParams(max_tokens=4), schema=[{"enum": [1]}, {"not": {"type": "string"}}],
+                     raise_on_error=True)
 
 
 def test_bad_shared_schema_fails_at_submit_before_model_work(tiny_engine_factory):

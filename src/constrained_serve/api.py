@@ -198,6 +198,7 @@ class Engine:
                                  completion_tokens=r.num_output, forced_tokens=r.num_forced),
                      error=r.error, error_type=r.error_type, index=r.index, prompt=prompt,
                      stop_reason=r.stop_reason, logprobs=r.logprobs)
+        refused: OutputValidationError | None = None
         if r.spec is not None and res.error is None:
             if res.finish_reason == "length":
                 res.error_type = "truncated"
@@ -221,10 +222,16 @@ class Engine:
                     res.json, res.parsed = parse_output(r.spec, text)
                 except OutputValidationError as e:  # valid JSON that the Pydantic type refuses
                     res.json, res.error, res.error_type = e.value, str(e), type(e).__name__
+                    refused = e
                 except Exception as e:  # noqa: BLE001 - reported on the result, not raised mid-batch
                     res.error, res.error_type = f"output does not parse: {e}", type(e).__name__
         if raise_on_error and res.error is not None:
-            raise OutputError(f"request {r.index}: {res.error}")
+            message = f"request {r.index}: {res.error}"
+            if res.error_type == "OutputValidationError":  # catchable with its value (a retry loop)
+                raise OutputValidationError(message, res.json) from (refused.__cause__ if refused else None)
+            if res.error_type == "GrammarError":
+                raise GrammarError(message, backend=r.matcher.backend_name if r.matcher is not None else None)
+            raise OutputError(message)
         return res
 
     def _error_result(self, index: int, e: Exception, prompt: Any = None) -> Result:

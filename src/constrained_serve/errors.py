@@ -24,12 +24,17 @@ class PromptTooLongError(ConstrainedServeError, ValueError):
 
 
 class OutputError(ConstrainedServeError, ValueError):
-    """Raised by ``raise_on_error=True`` when an output is truncated or fails to parse."""
+    """Raised by ``raise_on_error=True`` when an output is truncated or fails to parse (the
+    subclass OutputValidationError when it parsed but did not validate; a spec the backend
+    refused or gave up on raises GrammarError instead)."""
 
 
-class OutputValidationError(ConstrainedServeError, ValueError):
-    """A complete JSON output that the user's Pydantic type refuses (a validator, a
-    constraint JSON Schema cannot express). ``value`` holds the parsed JSON."""
+class OutputValidationError(OutputError):
+    """A complete output that the user's Pydantic type refuses (a validator, a constraint
+    JSON Schema cannot express), or that the spec refuses where the grammar backend read it
+    more loosely (see grammar.spec._check_conformance). ``value`` holds the parsed JSON
+    (None for a regex output); raised with ``raise_on_error=True``, its ``__cause__`` is
+    Pydantic's ValidationError where Pydantic refused it."""
 
     def __init__(self, message: str, value: object):
         super().__init__(message)

@@ -344,6 +344,10 @@ XGRAMMAR_DROPS = [
     ({"minimum": 3}, "2"),
     ({"anyOf": [{"type": "number"}, {"type": "null"}], "minimum": 0}, "-1"),
     ({"enum": [1, "a"], "minLength": 3}, '"a"'),  # next to an enum only the enum is checked
+    # patternProperties next to properties is ignored (JSONSchemaBench wp_91 accepted "k":-2)
+    ({"type": "object", "properties": {"b": {"type": "string"}}, "patternProperties": {".*": {"type": "string"}},
+      "required": ["b"]}, '{"b":"a","k":-2}'),
+    ({"type": "string", "pattern": "^\\W+$"}, '"é"'),  # \W taken as the complement of ASCII \w
 ]
 
 
@@ -382,8 +386,10 @@ def test_xgrammar_regex_means_what_python_means(manager):
                         (r"[\^x]a", "^a", "1a"), (r"[\^]a", "^a", "1a"), ("(?:^x)?y{1,3}", "xyy", "xxy")):
         c = manager.compile(make_output_spec(regex=rx), "xgrammar")
         assert manager.matches(c, yes) and not manager.matches(c, no), rx
-    # An anchor inside the text (a^b matched "ab"), \G and inline flags are refused.
-    for rx in ("a^b", "a$b", "(a$|b)c", r"a\G", "(?s:a.b)", "(^a)+", "(?:^a|b)*"):
+    # An anchor inside the text (a^b matched "ab"), \G and inline flags are refused; so are
+    # \W, \D and negated classes with \w/\d, which xgrammar reads as ASCII complements ("é").
+    for rx in ("a^b", "a$b", "(a$|b)c", r"a\G", "(?s:a.b)", "(^a)+", "(?:^a|b)*", r"\W", r"a\D+", r"[^\w]",
+               r"[x\W]", r"[^a\d]"):
         with pytest.raises(GrammarError, match="as Python reads it"):
             manager.compile(make_output_spec(regex=rx), "xgrammar")
 
@@ -425,3 +431,21 @@ def test_forced_tokens_with_a_sentencepiece_tokenizer(sentencepiece_model_dirs, 
     assert tok.decode([tok.bos_token_id] + forced["xgrammar"], skip_special_tokens=True).startswith('{"name":')
     assert forced["xgrammar"] and forced["xgrammar"] == forced["llguidance"][:len(forced["xgrammar"])]
     assert "▁" not in tok.convert_ids_to_tokens(forced["xgrammar"])[0]
+
+
+
+def test_xgrammar_special_tokens_are_not_text(manager, tokenizer):
+    """xgrammar took a special token for its literal text ("<|im_start|>" inside a string or a
+    "[^b]" class; EOS as text let "[^b]+" end empty), which the Result then leaves out. Now
+    no special token but EOS is ever allowed, and EOS only where the regex may end."""
+    specials = [i for i in tokenizer.all_special_ids if i != EOS]
+    bitmask = manager.allocate_bitmask(1)
+    for spec, prefix in ((make_output_spec(regex="[^b]+"), ""), (make_output_spec(schema=PERSON), '{"name":"')):
+        m = manager.new_matcher(manager.compile(spec, "xgrammar"))
+        assert not prefix or m.accept_tokens(encode(tokenizer, prefix))
+        manager.fill_bitmask([(0, m)], bitmask)
+        ok = allowed(bitmask, 0)
+        assert not ok & set(specials), spec
+        assert (EOS in ok) == m.can_end()
+    m = manager.new_matcher(manager.compile(make_output_spec(regex="[^b]+"), "xgrammar"))
+    assert not m.accept_tokens([EOS]) and not m.can_end()

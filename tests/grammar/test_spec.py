@@ -121,3 +121,24 @@ def test_pydantic_models_are_closed_unless_extra_allowed():
     assert closed["additionalProperties"] is False
     assert closed["$defs"]["Item"]["additionalProperties"] is False
     assert json.loads(make_output_spec(schema=Open).text)["additionalProperties"] is True
+
+
+def test_a_finished_output_is_checked_against_the_spec_as_the_user_reads_it():
+    """The last line of the guarantee: where a backend read the spec more loosely (xgrammar's
+    ASCII \\w, llguidance's Rust Unicode tables, a schema keyword it dropped), the finished
+    output is reported (OutputValidationError, JSON kept), never passed as valid."""
+    from constrained_serve.errors import OutputValidationError
+
+    regex = make_output_spec(regex=r"\w+")
+    assert parse_output(regex, "é日") == (None, "é日")
+    with pytest.raises(OutputValidationError, match="re.fullmatch"):
+        parse_output(regex, "हिंदी")  # Rust's \w takes the combining vowel signs, Python's does not
+    assert parse_output(make_output_spec(regex=r"\p{L}+"), "x") == (None, "x")  # not Python syntax: no check
+    schema = {"type": "object", "properties": {"b": {"type": "string"}},
+              "patternProperties": {".*": {"type": "string"}}, "required": ["b"]}
+    with pytest.raises(OutputValidationError, match="at k") as e:
+        parse_output(make_output_spec(schema=schema), '{"b":"a","k":-2}')
+    assert e.value.value == {"b": "a", "k": -2}
+    # strict=False accepted the backend's approximation: its outputs stand.
+    assert parse_output(make_output_spec(schema=schema, strict=False), '{"b":"a","k":-2}')[0] == {"b": "a", "k": -2}
+    assert parse_output(make_output_spec(regex=r"\w+", strict=False), "हिंदी")[1] == "हिंदी"

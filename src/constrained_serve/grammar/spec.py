@@ -8,12 +8,18 @@ the user's model fields alphabetically in generated output.
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
+import re
+import warnings
 from typing import Any, Mapping, Sequence
 from urllib.parse import unquote
 
 from ..errors import GrammarError, OutputValidationError
 from ..params import OutputSpec
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["make_output_spec", "parse_output", "canonical_json", "resolve_local_ref", "follow_local_refs"]
 
@@ -206,18 +212,76 @@ def _from_response_format(rf: Mapping[str, Any], common: dict) -> OutputSpec | N
 
 def parse_output(spec: OutputSpec, text: str) -> tuple[Any, Any]:
     """Return ``(json_value, parsed)``; for non-JSON kinds ``(None, text)``. ValueError on
-    failure: OutputValidationError (with the parsed JSON) when only the Python type refuses it."""
+    failure: OutputValidationError (with the parsed JSON, if any) when the output the grammar
+    accepted is not what the spec means (see ``_check_conformance``) or the Python type refuses it."""
     if not spec.is_json:
+        _check_conformance(spec, text, None)
         return None, text
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"output is not valid JSON: {e}") from e
     if spec.python_type is None:
+        _check_conformance(spec, text, value)
         return value, value
     from pydantic import TypeAdapter, ValidationError
 
     try:
-        return value, TypeAdapter(spec.python_type).validate_python(value)
+        # JSON mode, as the type reads JSON: strict models take ISO dates and UUIDs as strings,
+        # and a union "datetime | str" resolves to the datetime (Python mode picked the str).
+        return value, TypeAdapter(spec.python_type).validate_json(text)
     except ValidationError as e:  # the grammar holds the schema, not the type's validators
         raise OutputValidationError(f"output does not validate as {spec.python_type!r}: {e}", value) from e
+
+
+def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
+    """The last line of the guarantee. A backend's grammar can be looser than the spec as
+    the user reads it (xgrammar and llguidance read some regex classes differently from
+    Python's ``re``; a backend may drop a schema keyword no check of ours knew about). Under
+    ``strict=True`` a finished regex output must ``re.fullmatch`` and a JSON Schema output
+    must validate with ``jsonschema``; otherwise it is reported, never passed as valid.
+    (``strict=False`` accepted the approximation; Pydantic types are checked by Pydantic.)"""
+    if not spec.strict:
+        return
+    if spec.kind == "regex":
+        pattern = _python_regex(spec.text)
+        if pattern is not None and pattern.fullmatch(text) is None:
+            raise OutputValidationError(
+                "the output does not match the regex as Python's re.fullmatch reads it (the grammar "
+                "backend read the pattern differently, e.g. Unicode classes); nothing was repaired", None)
+    elif spec.kind == "json_schema":
+        validator = _schema_validator(spec.text)
+        error = None
+        if validator is not None:
+            try:
+                error = next(iter(validator.iter_errors(value)), None)
+            except Exception:  # noqa: BLE001 - an unresolvable $ref and the like: cannot check here
+                logger.debug("jsonschema could not check an output", exc_info=True)
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "the top level"
+            raise OutputValidationError(
+                f"the output does not validate against the schema at {where}: {error.message} (the grammar "
+                f"backend approximated the schema); nothing was repaired", value)
+
+
+@functools.lru_cache(maxsize=256)
+def _python_regex(pattern: str) -> re.Pattern | None:
+    try:
+        with warnings.catch_warnings():  # "possible nested set" and the like: not for the user here
+            warnings.simplefilter("ignore")
+            return re.compile(pattern)
+    except (re.error, RecursionError, OverflowError):  # Rust-only syntax (\\p{L}, \\z): no check
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_validator(schema_text: str) -> Any:
+    import jsonschema
+
+    try:
+        schema = json.loads(schema_text)
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        return cls(schema)
+    except Exception:  # noqa: BLE001 - jsonschema cannot read it: the backend's word stands
+        logger.debug("jsonschema cannot build a validator for a schema", exc_info=True)
+        return None

@@ -100,6 +100,26 @@ class XGrammarMatcher(GrammarMatcher):
             self._finished = None
 
 
+def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary, with special tokens as special. from_huggingface
+    keeps their literal text ("<|im_start|>"), so a string or a regex class could take one
+    as those characters (and EOS as text in "[^b]+" let an output end before the regex
+    did), while the detokenizer drops special tokens from the text: what the grammar saw
+    is not what the Result shows. An empty string is how xgrammar marks a special token."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+    special = {i for i in special if 0 <= i < vocab_size}
+    if not special:
+        return info
+    vocab = [""] * vocab_size
+    for token, i in tokenizer.get_vocab().items():
+        if i < vocab_size and i not in special:
+            vocab[i] = token
+    return xgr.TokenizerInfo(vocab, vocab_type=info.vocab_type, vocab_size=vocab_size,
+                             stop_token_ids=eos_token_ids, add_prefix_space=info.add_prefix_space)
+
+
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
@@ -107,8 +127,7 @@ class XGrammarBackend(GrammarBackend):
                  num_threads: int = 2, lazy_masks: bool = True):
         super().__init__(tokenizer, vocab_size, eos_token_ids)
         self.width = bitmask_width(self.vocab_size)
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids)
+        self.tokenizer_info = _tokenizer_info(tokenizer, self.vocab_size, self.eos_token_ids)
         # The manager keeps its own LRU cache; xgrammar's would grow without bound.
         # lazy_masks: build each parser state's token-mask cache on first use instead of
         # precomputing all of them at compile time. Eager compilation of large real-world

@@ -90,6 +90,10 @@ def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
     pat = schema.get("pattern")
     if isinstance(pat, str) and _UNSUPPORTED_REGEX.search(pat):
         found.append(f"{path}/pattern {pat!r}")
+    elif isinstance(pat, str) and any(_ascii_class_negated(t) for t in _regex_tokens(pat)):
+        found.append(f"{path}/pattern {pat!r} (\\W, \\D read as ASCII complements)")
+    if isinstance(schema.get("patternProperties"), dict) and schema.get("properties"):
+        found.append(f"{path}/patternProperties (ignored next to properties)")
     for key in sorted(SCHEMA_NAME_MAPS):
         sub = schema.get(key)
         if isinstance(sub, dict):
@@ -166,10 +170,16 @@ def xgrammar_regex(pattern: str) -> str:
     ``.`` matches a newline too); ``\\A`` and ``\\Z``/``\\z`` become ``^`` and ``$``. xgrammar
     ignores anchors, which is exact only where they stand at the edges of the text (``^a$|^b$``,
     ``(^a|^b)c``); an anchor anywhere else (``a^b``, which then matched "ab"), ``\\G`` and
-    inline flags are refused with GrammarError."""
+    inline flags are refused with GrammarError. So are ``\\W``, ``\\D`` and negated classes
+    holding ``\\w`` or ``\\d``: xgrammar's ``\\w``/``\\d`` are ASCII-only, so their complement
+    takes "é" and "٣" (its ``\\w``/``\\d`` themselves are merely stricter than Python's)."""
     tokens = _regex_tokens(pattern)
     if any(t == "\\G" or re.fullmatch(r"\(\?[a-zA-Z]+[:)]", t) for t in tokens):
         raise _regex_error(pattern, "xgrammar has no \\G and no inline flags")
+    if any(_ascii_class_negated(t) for t in tokens):
+        raise _regex_error(pattern, "\\W, \\D or a negated class with \\w or \\d: xgrammar reads \\w and \\d "
+                                    "as ASCII, so their complement takes the letters and digits of other scripts "
+                                    "(é, ٣) that Python's re refuses; spell the class out or use llguidance")
     tokens = ["^" if t == "\\A" else "$" if t in ("\\Z", "\\z") else "[^\\n]" if t == "." else
               _class(t, pattern) if t.startswith("[") else t for t in tokens]
     if _repeated_anchor(tokens):
@@ -206,6 +216,16 @@ def _regex_tokens(pattern: str) -> list[str]:
         out.append(pattern[i:j])
         i = j
     return out
+
+
+def _ascii_class_negated(token: str) -> bool:
+    """``\\W``/``\\D``, alone or in a class, or ``\\w``/``\\d`` in a negated class."""
+    if token in ("\\W", "\\D"):
+        return True
+    if not token.startswith("["):
+        return False
+    escapes = re.findall(r"\\.", token)  # pairs left to right: "\\\\W" is a backslash, then W
+    return any(e in ("\\W", "\\D") or (token.startswith("[^") and e in ("\\w", "\\d")) for e in escapes)
 
 
 def _class(token: str, pattern: str) -> str:
