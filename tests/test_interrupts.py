@@ -93,17 +93,6 @@ def test_generator_collected_mid_step_is_aborted_after_the_step(tiny_engine_fact
     assert eng.pool.num_free + eng.kv.radix.cached_pages() == eng.pool.num_pages
 
 
-def test_a_dropped_conversation_is_collected_and_unpinned(tiny_engine_factory):
-    eng = tiny_engine_factory()
-    conv = eng.conversation(system="You are terse.")
-    conv.send("hi", SamplingParams(max_tokens=3, ignore_eos=True))
-    assert conv.pages
-    del conv
-    gc.collect()
-    assert len(eng.core.page_holders) == 0
-    eng.core.check_integrity()
-
-
 def test_stream_takes_one_sampling_params(tiny_engine_factory):
     with pytest.raises(TypeError, match="one SamplingParams"):
         tiny_engine_factory().stream("x", [SamplingParams()])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -51,9 +50,10 @@ class EngineCore:
         self.num_steps = 0
         self.check_each_step = False  # tests turn this on: integrity check after every step
         self.finished_queue: list[Request] = []
-        # Open conversations pinning cached pages; weak, so one dropped unclosed is collected
-        # (its __del__ unpins) instead of pinning its history for the engine's lifetime.
-        self.page_holders: weakref.WeakSet = weakref.WeakSet()
+        # Open conversations pinning cached pages. Strong references: a weak set let the cycle
+        # collector run Conversation.__del__ on the mask thread mid-step, which then waited for
+        # the core lock the stepping thread held (a deadlock). Pins still drop under pressure.
+        self.page_holders: set = set()
         self._in_step = False
         self._deferred_aborts: list[tuple] = []
         kv.release_pins = self._release_pins

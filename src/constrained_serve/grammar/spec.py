@@ -267,9 +267,11 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
 @functools.lru_cache(maxsize=256)
 def _python_regex(pattern: str) -> re.Pattern | None:
     try:
-        with warnings.catch_warnings():  # "possible nested set" and the like: not for the user here
-            warnings.simplefilter("ignore")
-            return re.compile(pattern)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = re.compile(pattern)
+        # "Possible nested set" ([[:alpha:]], a&&b): Rust syntax Python reads otherwise: no check.
+        return None if caught else compiled
     except (re.error, RecursionError, OverflowError):  # Rust-only syntax (\\p{L}, \\z): no check
         return None
 
@@ -279,8 +281,11 @@ def _schema_validator(schema_text: str) -> Any:
     import jsonschema
 
     try:
+        if '"multipleOf"' in schema_text:  # jsonschema's float division refuses 19.99 for 0.01
+            return None
         schema = json.loads(schema_text)
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls.check_schema(schema)  # a draft-04 schema without $schema ("exclusiveMinimum": true): no check
         return cls(schema)
     except Exception:  # noqa: BLE001 - jsonschema cannot read it: the backend's word stands
         logger.debug("jsonschema cannot build a validator for a schema", exc_info=True)
