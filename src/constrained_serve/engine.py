@@ -279,8 +279,7 @@ class EngineCore:
         string (all of them if none does), as had they been sampled one at a time."""
         detok = copy.copy(r.detok)
         detok.ids = list(detok.ids)
-        longest = max(len(s) for s in r.params.stop)
-        start = max(0, r.stop_scanned - longest + 1)
+        start = EngineCore._stop_scan_start(r)
         for i, t in enumerate(forced):
             detok.push([t])
             if any(detok.text.find(s, start) >= 0 for s in r.params.stop):
@@ -288,12 +287,18 @@ class EngineCore:
         return len(forced)
 
     @staticmethod
+    def _stop_scan_start(r: Request) -> int:
+        """Where a stop string could begin in text added since the last check: the scanned
+        part minus enough for a stop string that straddles the boundary."""
+        return max(0, r.stop_scanned - max(len(s) for s in r.params.stop) + 1)
+
+    @staticmethod
     def _stop_string_seen(r: Request) -> str | None:
         """The stop string that occurs first in the text, or None. Searches only the text
         added since the last check, plus enough before it for a stop string that straddles
         the boundary (a fast-forward can add many characters at once)."""
         text = r.detok.text
-        start = max(0, r.stop_scanned - max(len(s) for s in r.params.stop) + 1)
+        start = EngineCore._stop_scan_start(r)
         r.stop_scanned = len(text)
         found = [(i, s) for s in r.params.stop if (i := text.find(s, start)) >= 0]
         return min(found)[1] if found else None
