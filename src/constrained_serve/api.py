@@ -79,7 +79,8 @@ class Engine:
         runner = ModelRunner(self.model, num_pages, cfg.page_size, dev, self.dtype)
         self.kv = KVCacheManager(self.pool, radix, copy_page_prefix=runner.copy_page_prefix)
         scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens(dev))
-        self.core = EngineCore(runner, scheduler, self.kv, self.tokenizer, self._eos_ids(), self.max_model_len,
+        eos = loader.eos_token_ids(self.hf_config, self.tokenizer)
+        self.core = EngineCore(runner, scheduler, self.kv, self.tokenizer, eos, self.max_model_len,
                                grammar=None, overlap=cfg.overlap, fast_forward=cfg.fast_forward)
         self._rng = random.Random(cfg.seed)
         self._grammar = None
@@ -102,15 +103,6 @@ class Engine:
         else:
             tokens = 32768
         return max(1, tokens // cfg.page_size)
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for v in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
-            if isinstance(v, int):
-                ids.add(v)
-            elif isinstance(v, (list, tuple)):
-                ids.update(int(x) for x in v)
-        return ids
 
     @property
     def vocab_size(self) -> int:

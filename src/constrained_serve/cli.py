@@ -207,7 +207,7 @@ def _compile_before_load(args: argparse.Namespace, spec: OutputSpecArgs) -> None
         return
     kwargs = {k: v for k, v in spec.kwargs.items() if k != "grammar_backend"}
     manager = GrammarManager(tokenizer, hf_config.vocab_size, default_backend=args.backend,
-                             eos_token_ids=[tokenizer.eos_token_id], mask_threads=1)
+                             eos_token_ids=sorted(loader.eos_token_ids(hf_config, tokenizer)), mask_threads=1)
     try:
         manager.compile(make_output_spec(**kwargs))
     except GrammarError as e:

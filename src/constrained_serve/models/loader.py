@@ -216,6 +216,18 @@ def load_config_and_tokenizer(src: ModelSource):
     return cfg, tok
 
 
+def eos_token_ids(hf_config, tokenizer) -> set[int]:
+    """End-of-sequence ids from the config (one or a list) and the tokenizer; either may
+    lack them."""
+    ids: set[int] = set()
+    for v in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
+
+
 def _fuse_and_load(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named weights into our fused modules (qkv_proj, gate_up_proj)."""
     params = dict(model.named_parameters())
