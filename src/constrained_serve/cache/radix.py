@@ -116,16 +116,18 @@ class RadixCache:
         """Pages in unlocked nodes: what ``evict`` can free (given the protocol)."""
         return self._num_cached - self._num_protected
 
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], under: Node | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` in whole pages.
 
         Splits a node when the match ends inside it (at a page boundary), so the returned
         node covers exactly the matched tokens; refreshes last_access along the path.
+        ``under``: start from that node instead of the root (``tokens`` then continue its
+        path, and ``pages``/``num_tokens`` count from it).
         """
         ps = self.page_size
         n_pages = len(tokens) // ps
         key_tokens = tuple(tokens[: n_pages * ps])
-        node, i, pages = self._walk(key_tokens, n_pages)
+        node, i, pages = self._walk(key_tokens, n_pages, under)
         return MatchResult(pages=pages, num_tokens=i * ps, node=node)
 
     def partial_page(self, node: Node, tokens: Sequence[int]) -> tuple[int, int]:
@@ -148,12 +150,15 @@ class RadixCache:
                 best, best_n = child.pages[0], n
         return best, min(best_n, ps - 1)
 
-    def _walk(self, key_tokens: tuple[int, ...], n_pages: int) -> tuple[Node, int, list[int]]:
-        """Follow the tree along key_tokens, splitting the last node at the point of divergence.
-        Returns (deepest node reached, pages matched, their page ids); refreshes last_access."""
+    def _walk(self, key_tokens: tuple[int, ...], n_pages: int,
+              start: Node | None = None) -> tuple[Node, int, list[int]]:
+        """Follow the tree along key_tokens from ``start`` (default: the root), splitting the
+        last node at the point of divergence. Returns (deepest node reached, pages matched,
+        their page ids); refreshes last_access."""
         ps = self.page_size
         self._clock += 1
-        node = self.root
+        node = self.root if start is None else start
+        assert node is self.root or node.parent is not None, "walk from a node no longer in the tree"
         pages: list[int] = []
         i = 0  # pages matched so far
         while i < n_pages:
@@ -180,6 +185,19 @@ class RadixCache:
             node.lock_ref += 1
             node = node.parent
 
+    def move_lock(self, old: Node, new: Node) -> None:
+        """``unlock(old); lock(new)`` for ``new`` at or below ``old``, touching only the
+        nodes between them: the counts of ``old`` and its ancestors do not change (the lock
+        still passes through them). A request that extends its cached prefix page by page
+        would otherwise walk its whole path twice per page."""
+        node = new
+        while node is not old:
+            assert node is not self.root and node.parent is not None, "new is not below old"
+            if node.lock_ref == 0:
+                self._num_protected += node.num_pages
+            node.lock_ref += 1
+            node = node.parent
+
     def unlock(self, node: Node) -> None:
         while node is not self.root:
             assert node.parent is not None, "unlock of a node that is no longer in the tree"
@@ -192,7 +210,8 @@ class RadixCache:
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[int, Node]:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int],
+               under: Node | None = None) -> tuple[int, Node]:
         """Cache the page-aligned prefix of ``tokens`` (``len(tokens) // page_size`` pages).
 
         ``pages[j]`` holds ``tokens[j*ps:(j+1)*ps]``; extra pages (a partial tail) are
@@ -200,13 +219,14 @@ class RadixCache:
         ``pages`` are duplicates the cache does NOT take), the cache adopted (incref'd)
         ``pages[n//ps : len(tokens)//ps]``, and ``node`` covers exactly the inserted prefix.
         The caller keeps its own refs on all of ``pages`` and releases them itself.
+        ``under``: ``tokens`` continue the path of that node (see ``match_prefix``).
         """
         ps = self.page_size
         n_pages = len(tokens) // ps
         if len(pages) < n_pages:
             raise ValueError(f"{len(tokens)} tokens need {n_pages} pages, got {len(pages)}")
         key_tokens = tuple(tokens[: n_pages * ps])
-        node, i, _ = self._walk(key_tokens, n_pages)
+        node, i, _ = self._walk(key_tokens, n_pages, under)
         if i < n_pages:
             new_pages = tuple(pages[i:n_pages])
             # The caller must hold these pages: incref asserts they are not free.
