@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from constrained_serve import SamplingParams
+from constrained_serve.errors import OutputError
 
 P = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -112,3 +113,42 @@ def test_a_request_the_core_lost_fails_instead_of_spinning(tiny_engine_factory):
     with pytest.raises(RuntimeError, match="no longer scheduled"):
         next(it)
     assert b.finished and eng.pool.num_free + eng.kv.radix.cached_pages() == eng.pool.num_pages
+
+
+def test_second_ctrl_c_interrupts_the_step_at_once(tiny_engine_factory, monkeypatch, caplog):
+    """A step can be long; a second Ctrl-C must not wait for it. It raises in the middle of
+    the step, which leaves no request's state trustworthy: every unfinished request fails
+    (an open stream says why), the KV cache and conversation pins are forgotten, and the
+    engine serves the next call exactly as before."""
+    eng = tiny_engine_factory()
+    ref = [r.text for r in eng.generate(["Once upon a time", "The capital of France is"], P)]
+    conv = eng.conversation()
+    conv.send("Hello", SamplingParams(max_tokens=4))
+    assert conv.pages  # history pinned
+    s = eng.stream("Once upon a time", P)
+    next(s)
+    share, after = eng.kv.share_progress, []
+
+    def share_then_two_interrupts(r):
+        share(r)
+        if not after:  # mid-step: counts moved, tokens not appended yet
+            after.append(False)
+            os.kill(os.getpid(), signal.SIGINT)  # held back (with a warning)
+            os.kill(os.getpid(), signal.SIGINT)  # raises here
+            after[0] = True  # never reached
+
+    monkeypatch.setattr(eng.kv, "share_progress", share_then_two_interrupts)
+    with caplog.at_level("WARNING", logger="constrained_serve"):
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(["The capital of France is " * 3], P)
+    assert after == [False], "the second Ctrl-C waited for the step"
+    assert "press it again" in caplog.text and "second Ctrl-C" in caplog.text
+    monkeypatch.undo()
+    with pytest.raises(OutputError, match="second Ctrl-C"):
+        "".join(s)  # finished already: no step to wait for
+    assert not conv.pages and not eng.core.scheduler.unfinished
+    assert eng.pool.num_free == eng.pool.num_pages and eng.kv.radix.cached_pages() == 0
+    eng.core.check_each_step = True
+    assert [r.text for r in eng.generate(["Once upon a time", "The capital of France is"], P)] == ref
+    assert conv.send("Again", SamplingParams(max_tokens=4)).finish_reason in ("stop", "length")
+    eng.core.check_integrity()

@@ -119,11 +119,16 @@ class Conversation:
 
     def unpin(self) -> None:
         """Make the cached history evictable again (the engine calls this when out of pages)."""
-        with self.engine._core_lock:
+        with self.engine._core_lock, sigint_deferred():  # an unlock without its decref: a leak
             if self._node is not None:
                 self.engine.kv.radix.unlock(self._node)
                 self.engine.kv.pool.decref(self.pages)
             self._node, self.pages = None, []
+
+    def forget_pages(self) -> None:
+        """Drop the pin without giving anything back: the engine is resetting the whole KV
+        cache (a step cut short by a second Ctrl-C). The next turn recomputes the history."""
+        self._node, self.pages = None, []
 
     def close(self) -> None:
         with self.engine._core_lock:  # closed is set under the lock _pin takes: no re-pin after

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -55,6 +55,7 @@ class EngineCore:
         # the core lock the stepping thread held (a deadlock). Pins still drop under pressure.
         self.page_holders: set = set()
         self._in_step = False
+        self._mask_future: Future | None = None  # the overlapped mask fill of the step running
         self._deferred_aborts: list[tuple] = []
         kv.release_pins = self._release_pins
 
@@ -79,7 +80,8 @@ class EngineCore:
             # step. It happens when the step is done.
             self._deferred_aborts.append((r, reason, error, error_type))
             return
-        self._abort(r, reason, error, error_type)
+        with sigint_deferred():  # half-released pages would stay lost
+            self._abort(r, reason, error, error_type)
 
     def _abort(self, r: Request, reason: str = "abort", error: str | None = None, error_type: str | None = None) -> None:
         if r.finished:
@@ -144,16 +146,36 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one step; return the requests that finished during it. Ctrl-C waits for the
         step to end (interrupts.py), and aborts asked for during the step apply after it."""
-        with sigint_deferred():
+        with sigint_deferred(interrupt_on_second=True):
             self._in_step = True
             try:
                 self._step()
+            except KeyboardInterrupt:
+                # Only a second Ctrl-C gets here (the first waits for the step's end): the
+                # step stopped anywhere, so no request's state can be trusted.
+                self._recover_from_broken_step()
+                raise
             finally:
                 self._in_step = False
                 deferred, self._deferred_aborts = self._deferred_aborts, []
                 for args in deferred:
                     self._abort(*args)
         return self._drain()
+
+    def _recover_from_broken_step(self) -> None:
+        """Fail every unfinished request and forget the whole KV cache (pages, prefix cache,
+        conversation pins), so that the engine serves the next call correctly. Conversations
+        keep their history; their next turn recomputes it."""
+        if self._mask_future is not None:
+            wait([self._mask_future])  # the mask thread still reads the requests' matchers
+        why = "interrupted by a second Ctrl-C in the middle of a step"
+        for r in self.scheduler.drop_all():
+            r.finish_reason, r.error, r.error_type = "abort", why, "KeyboardInterrupt"
+            self.finished_queue.append(r)
+        for c in self.page_holders:
+            c.forget_pages()
+        self.kv.reset()
+        logger.warning("%s: every unfinished request failed, the KV cache was cleared", why)
 
     def _step(self) -> None:
         if self.grammar is not None:
@@ -172,9 +194,11 @@ class EngineCore:
         if self.overlap and self._pool is not None:
             rows, bitmask = self._mask_rows(reqs)  # allocated here: torch ops stay on this thread
             fut = self._pool.submit(self.grammar.fill_bitmask, rows, bitmask) if rows else None
+            self._mask_future = fut
             logits = self.runner.forward(inputs)
             if fut is not None:
                 fut.result()
+            self._mask_future = None
         else:
             logits = self.runner.forward(inputs)  # on CUDA: launched, not waited for
             bitmask = self._fill_masks(reqs)

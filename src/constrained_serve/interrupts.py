@@ -8,17 +8,25 @@ state no later step repairs: a hang, or text missing a token. So while a step ru
 is only recorded; the handler that was installed runs right after the step, which delays
 Ctrl-C by at most one forward pass. Signals reach only the main thread, so steps run on
 other threads need nothing.
+
+A step can be long (a big model on a CPU), so a block that can recover from being cut
+short (``EngineCore.step``: it fails every request and forgets the KV cache) asks for
+``interrupt_on_second=True``: a second Ctrl-C during it raises at once. Further presses
+are held back again until the block exits, so the recovery itself is not cut short.
 """
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+logger = logging.getLogger(__name__)
+
 
 @contextmanager
-def sigint_deferred() -> Iterator[None]:
+def sigint_deferred(interrupt_on_second: bool = False) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -27,10 +35,23 @@ def sigint_deferred() -> Iterator[None]:
         yield
         return
     received: list = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    raised: list[bool] = []
+
+    def hold(signum: int, frame) -> None:
+        received.append(frame)
+        if not interrupt_on_second or raised:
+            return
+        if len(received) == 1:
+            logger.warning("Ctrl-C: stopping after the current step; press it again to "
+                           "interrupt now, failing every unfinished request")
+        else:
+            raised.append(True)
+            previous(signum, frame)  # default_int_handler raises KeyboardInterrupt, here
+
+    signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if received:
-            previous(signal.SIGINT, received[0])  # default_int_handler raises KeyboardInterrupt
+        if received and not raised:
+            previous(signal.SIGINT, received[0])

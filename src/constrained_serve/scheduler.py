@@ -27,9 +27,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (oldest first)
+        # Every request added and not finished, wherever it is (an interrupt can leave one
+        # in neither queue, between two statements of _admit).
+        self.unfinished: dict[int, Request] = {}
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        self.unfinished[request.request_id] = request
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -138,7 +142,21 @@ class Scheduler:
         self.waiting.appendleft(r)
 
     # ------------------------------------------------------------------ finish
+    def drop_all(self) -> list[Request]:
+        """Forget every unfinished request, leaving their pages alone, and return them. For a
+        step cut short: queues and page tables may disagree, so the caller resets the whole
+        KV cache instead of releasing pages one request at a time."""
+        dropped = list(self.unfinished.values())
+        for r in dropped:
+            r.pages, r.cache_node, r.num_shared = [], None, 0
+            r.status = Status.FINISHED
+        self.unfinished.clear()
+        self.waiting.clear()
+        self.running.clear()
+        return dropped
+
     def finish(self, r: Request, reason: str) -> None:
+        self.unfinished.pop(r.request_id, None)
         r.finish_reason = reason
         if r.status is Status.RUNNING:
             self.running.remove(r)

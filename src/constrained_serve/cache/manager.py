@@ -135,6 +135,14 @@ class KVCacheManager:
         self.pool.decref(r.pages)
         r.pages = []
 
+    def reset(self) -> None:
+        """Forget every page reference: all pages free, the prefix cache empty. Only for
+        when the holders' page tables cannot be trusted (a step cut short), and only after
+        every holder dropped its pages without giving them back."""
+        self.pool.reset()
+        if self.radix is not None:
+            self.radix.forget()
+
     def check_integrity(self, holders: list) -> None:
         """free + cached-only + in use by requests == total (tests call this after every step).
 

@@ -19,9 +19,13 @@ class PagePool:
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._ref = [0] * num_pages
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page free, whatever held it (after a step cut short: see EngineCore)."""
+        self._ref = [0] * self.num_pages
         # Pop from the end: low page ids are handed out first, which keeps tests readable.
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = list(range(self.num_pages - 1, -1, -1))
 
     @property
     def num_free(self) -> int:

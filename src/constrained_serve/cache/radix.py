@@ -289,6 +289,10 @@ class RadixCache:
             self.pool.decref(list(node.pages))
         self._init_tree()
 
+    def forget(self) -> None:
+        """Drop the whole tree without touching the pool (which the caller resets too)."""
+        self._init_tree()
+
     # ------------------------------------------------------------------ checks
 
     def check_integrity(self) -> None:
