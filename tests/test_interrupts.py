@@ -152,3 +152,44 @@ def test_second_ctrl_c_interrupts_the_step_at_once(tiny_engine_factory, monkeypa
     assert [r.text for r in eng.generate(["Once upon a time", "The capital of France is"], P)] == ref
     assert conv.send("Again", SamplingParams(max_tokens=4)).finish_reason in ("stop", "length")
     eng.core.check_integrity()
+
+
+def test_dropped_conversation_gives_its_pin_back(tiny_engine_factory):
+    """A conversation dropped without close() used to pin its history until the pool ran
+    out. Its pin now goes back at the next step, also when the garbage collector finalises
+    it on another thread in the middle of a step (where taking the core lock deadlocked)."""
+    eng = tiny_engine_factory()
+    eng.core.check_each_step = True
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    conv = eng.conversation(system="You are terse.")
+    conv.send("Hello there", p)
+    assert conv.pages and eng.kv.radix.evictable_pages() < eng.kv.radix.cached_pages()
+    del conv
+    gc.collect()
+    eng.generate(["x"], p)
+    assert eng.kv.radix.evictable_pages() == eng.kv.radix.cached_pages()  # nothing locked
+
+    cyclic = eng.conversation(system="You are terse.")
+    cyclic.send("Hello there", p)
+    cyclic.me = cyclic  # only the cycle collector can free it
+    del cyclic
+    forward, collected = eng.core.runner.forward, []
+
+    def forward_with_collection_on_a_thread(inputs):
+        if not collected:  # the core lock is held by this (stepping) thread
+            t = threading.Thread(target=lambda: collected.append(gc.collect()), daemon=True)
+            t.start()
+            t.join(30)
+            assert not t.is_alive(), "the collector's finalizer blocked (deadlock)"
+        return forward(inputs)
+
+    eng.core.runner.forward = forward_with_collection_on_a_thread
+    try:
+        eng.generate(["y", "z"], p)
+    finally:
+        eng.core.runner.forward = forward
+    assert collected
+    eng.generate(["w"], p)
+    eng.core.check_integrity()
+    assert eng.kv.radix.evictable_pages() == eng.kv.radix.cached_pages()
+    assert not eng.core.page_holders and not eng.core.orphaned_pins

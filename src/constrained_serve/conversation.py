@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .detokenizer import IncrementalDetokenizer, encode, encode_continuation
@@ -32,18 +34,36 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
+class HistoryPin:
+    """A conversation's hold on its cached history: the locked radix node, and one pool
+    reference on each of its pages. Kept apart from the Conversation so that the engine can
+    release it after the conversation is garbage-collected (see ``EngineCore.orphaned_pins``)."""
+
+    node: Any = None
+    pages: list[int] = field(default_factory=list)
+
+
 class Conversation:
     def __init__(self, engine: "Engine", system: str | None = None, params: SamplingParams | None = None) -> None:
         self.engine = engine
         self.params = params or SamplingParams()
         self.history: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         self.token_ids: list[int] = []  # the exact history, as the model saw and wrote it
-        self.pages: list[int] = []  # pages this conversation pins (one pool ref each)
-        self._node = None
+        self._pin = HistoryPin()
         self.closed = False
         self._turn = threading.Lock()  # held while a turn is in flight
         with engine._core_lock:
             engine.core.page_holders.add(self)
+        # A conversation dropped without close() gives its pin back at the engine's next
+        # step. The collector may run this on any thread, even mid-step on the mask thread,
+        # so it only queues the pin: taking the core lock there deadlocked.
+        weakref.finalize(self, engine.core.orphaned_pins.append, self._pin)
+
+    @property
+    def pages(self) -> list[int]:
+        """Pages this conversation pins (one pool ref each)."""
+        return self._pin.pages
 
     # ------------------------------------------------------------------ turns
     def next_turn_ids(self, content: str) -> list[int]:
@@ -93,12 +113,13 @@ class Conversation:
         # its page references, would leave the conversation wrong for good.
         with sigint_deferred():
             self.token_ids, self.history = ids, history
-            self._pin()
+            self._pin_history()
 
     # ------------------------------------------------------------------ pinning
-    def _pin(self) -> None:
+    def _pin_history(self) -> None:
         """Lock the cached history so eviction cannot take it while the conversation is open."""
         with self.engine._core_lock:  # the radix tree and page refcounts are the core's
+            self.engine.core._release_orphaned_pins()  # they count against the limit below
             self.unpin()
             if self.closed:  # closed while its last turn ran: nothing to keep
                 return
@@ -115,23 +136,21 @@ class Conversation:
                 return
             kv.radix.lock(m.node)
             kv.pool.incref(m.pages)
-            self._node, self.pages = m.node, list(m.pages)
+            self._pin.node, self._pin.pages = m.node, list(m.pages)
 
     def unpin(self) -> None:
         """Make the cached history evictable again (the engine calls this when out of pages)."""
-        with self.engine._core_lock, sigint_deferred():  # an unlock without its decref: a leak
-            if self._node is not None:
-                self.engine.kv.radix.unlock(self._node)
-                self.engine.kv.pool.decref(self.pages)
-            self._node, self.pages = None, []
+        with self.engine._core_lock:
+            self.engine.core.release_pin(self._pin)
 
     def forget_pages(self) -> None:
         """Drop the pin without giving anything back: the engine is resetting the whole KV
         cache (a step cut short by a second Ctrl-C). The next turn recomputes the history."""
-        self._node, self.pages = None, []
+        self._pin.node, self._pin.pages = None, []
 
     def close(self) -> None:
-        with self.engine._core_lock:  # closed is set under the lock _pin takes: no re-pin after
+        # closed is set under the lock _pin_history takes: no re-pin after
+        with self.engine._core_lock:
             if not self.closed:
                 self.closed = True
                 self.unpin()
@@ -142,12 +161,6 @@ class Conversation:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:  # best effort; close() is the real API
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _ids_for_text(tokenizer, prompt_ids: list[int], out_ids: list[int], text: str) -> list[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -50,17 +51,31 @@ class EngineCore:
         self.num_steps = 0
         self.check_each_step = False  # tests turn this on: integrity check after every step
         self.finished_queue: list[Request] = []
-        # Open conversations pinning cached pages. Strong references: a weak set let the cycle
-        # collector run Conversation.__del__ on the mask thread mid-step, which then waited for
-        # the core lock the stepping thread held (a deadlock). Pins still drop under pressure.
-        self.page_holders: set = set()
+        # Open conversations pinning cached pages. Weak: a conversation the user dropped
+        # without close() must not pin its history for good. Its pin comes back through
+        # orphaned_pins (appended by a finalizer, on whatever thread the collector ran).
+        self.page_holders: weakref.WeakSet = weakref.WeakSet()
+        self.orphaned_pins: list = []
         self._in_step = False
         self._mask_future: Future | None = None  # the overlapped mask fill of the step running
         self._deferred_aborts: list[tuple] = []
         kv.release_pins = self._release_pins
 
+    def release_pin(self, pin) -> None:
+        """Give back a conversation's HistoryPin (radix lock and page refs); idempotent."""
+        with sigint_deferred():  # an unlock without its decref would leak the pages
+            if pin.node is not None:
+                self.kv.radix.unlock(pin.node)
+                self.kv.pool.decref(pin.pages)
+            pin.node, pin.pages = None, []
+
+    def _release_orphaned_pins(self) -> None:
+        while self.orphaned_pins:
+            self.release_pin(self.orphaned_pins.pop())
+
     def _release_pins(self) -> None:
         """Out of pages: unpin every open conversation's history (see KVCacheManager)."""
+        self._release_orphaned_pins()
         pinned = [c for c in self.page_holders if c.pages]
         if pinned:
             logger.info("KV cache full: unpinning the history of %d open conversation(s)", len(pinned))
@@ -147,6 +162,7 @@ class EngineCore:
         """Run one step; return the requests that finished during it. Ctrl-C waits for the
         step to end (interrupts.py), and aborts asked for during the step apply after it."""
         with sigint_deferred(interrupt_on_second=True):
+            self._release_orphaned_pins()
             self._in_step = True
             try:
                 self._step()
@@ -174,6 +190,9 @@ class EngineCore:
             self.finished_queue.append(r)
         for c in self.page_holders:
             c.forget_pages()
+        for pin in self.orphaned_pins:
+            pin.node, pin.pages = None, []
+        self.orphaned_pins.clear()
         self.kv.reset()
         logger.warning("%s: every unfinished request failed, the KV cache was cleared", why)
 
@@ -329,4 +348,5 @@ class EngineCore:
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
-        self.kv.check_integrity(list(self.scheduler.running) + list(self.page_holders))
+        holders = list(self.scheduler.running) + [c._pin for c in self.page_holders]
+        self.kv.check_integrity(holders + self.orphaned_pins)
