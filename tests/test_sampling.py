@@ -22,6 +22,7 @@ from constrained_serve.sampler import step_seed
     (dict(temperature=1e39), "temperature"), (dict(top_p=1e-46), "top_p"),
     (dict(repetition_penalty=1e-46), "repetition_penalty"), (dict(top_k=2**31), "top_k"),
     (dict(seed=2**70), "seed"), (dict(temperature=10**400), "temperature"),
+    (dict(n=0), "n"), (dict(n=1.0), "n"), (dict(n=257), "n"),
 ])
 def test_bad_sampling_params_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -90,6 +91,51 @@ def test_seeded_sampling_is_batch_independent(tiny_engine_factory):
     assert all(r.token_ids == alone for r in again)
     other_seed = eng.generate("Tell me a story", SamplingParams(**{**p.__dict__, "seed": 99}))[0].token_ids
     assert other_seed != alone
+
+
+def test_n_samples_share_the_prompt_and_differ(tiny_engine_factory):
+    """SamplingParams(n=4): four independent completions of each prompt, in
+    Result.samples; the first is what n=1 gives with the same seed; the prompt is computed
+    once (the samples wait for its pages in the prefix cache) and counted once in usage."""
+    eng = tiny_engine_factory()
+    prompt = "Tell me a story about a cat and a dog. " * 6
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, n=4)
+    one = eng.generate(prompt, SamplingParams(**{**p.__dict__, "n": 1}))[0]
+    eng2 = tiny_engine_factory()
+    before = eng2.core.runner.tokens_computed
+    [res, other] = eng2.generate([prompt, "x"], p)
+    computed = eng2.core.runner.tokens_computed - before
+    assert len(res.samples) == 4 and len(other.samples) == 4
+    assert res.samples[0].token_ids == one.token_ids == res.token_ids and res.text == one.text
+    assert len({tuple(s.token_ids) for s in res.samples}) == 4
+    assert all(s.index == 0 and s.samples is None for s in res.samples)
+    assert res.usage.completion_tokens == 48 and res.usage.prompt_tokens == one.usage.prompt_tokens
+    num_prompt = one.usage.prompt_tokens
+    assert computed < num_prompt + 3 * 16 + 4 * 12 + 4 * 12, "the prompt was computed per sample"
+    again = eng2.generate(prompt, p)[0]
+    assert [s.token_ids for s in again.samples] == [s.token_ids for s in res.samples]
+
+
+def test_n_samples_all_match_the_schema(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    [res] = eng.generate(["{"], SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=3), schema=schema)
+    done = [s for s in res.samples if s.finish_reason == "stop"]
+    assert done, [s.text for s in res.samples]
+    for s in done:
+        assert set(s.json) == {"a", "b"} and s.json["b"] in ("x", "y")
+    for s in res.samples:
+        if s.finish_reason == "length":
+            assert s.error_type == "truncated" and s.json is None
+
+
+def test_n_takes_one_completion_where_only_one_makes_sense(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    with pytest.raises(ValueError, match="n must be 1"):
+        eng.stream("x", SamplingParams(n=2))
+    with eng.conversation() as conv, pytest.raises(ValueError, match="n must be 1"):
+        conv.send("hi", SamplingParams(n=2))
 
 
 def test_unseeded_sampling_varies(tiny_engine_factory):

@@ -5,6 +5,7 @@ It turns user inputs (strings, message lists, output specs) into ``Request`` obj
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -26,6 +27,7 @@ from .params import OutputSpec, SamplingParams
 from .request import Request
 from .result import Result, Usage
 from .runner import ModelRunner
+from .sampler import step_seed
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -37,10 +39,16 @@ def _per_prompt(key: str, value: Any) -> bool:
         len(value) > 0 and all(isinstance(x, (list, tuple)) or x is None for x in value)))
 
 
-def _done(x: Request | Result) -> bool:
+def _done(x: Request | list[Request] | Result) -> bool:
     """An entry of a call's pending queue that can be handed back: an error Result, or a
-    finished request."""
+    finished request (all n of them, for SamplingParams.n > 1)."""
+    if isinstance(x, list):
+        return all(r.finished for r in x)
     return isinstance(x, Result) or x.finished
+
+
+def _requests(x: Request | list[Request] | Result) -> list[Request]:
+    return x if isinstance(x, list) else [] if isinstance(x, Result) else [x]
 
 
 Messages = list[dict[str, Any]]
@@ -169,19 +177,33 @@ class Engine:
         return out, True
 
     def _new_request(self, ids: list[int], params: SamplingParams, spec: OutputSpec | None, index: int,
-                     backend: str | None) -> Request:
+                     backend: str | None, sample: int = 0) -> Request:
         if len(ids) == 0:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the model's context (or the KV pool) holds {self.max_model_len}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        if sample:  # sample 0 keeps the seed: with n=1 the same seed gives the same output
+            seed = step_seed(seed, -sample)
         r = Request(prompt_ids=ids, params=params, spec=spec, seed=seed, index=index)
         if spec is not None:
             r.grammar_future = self.grammar.compile_async(spec, backend)
         return r
 
     # ------------------------------------------------------------------ outputs
+    def _samples_result(self, group: list[Request], prompt: Any, raise_on_error: bool) -> Result:
+        """The Result of a prompt sampled n times: the first sample's fields, all n in
+        ``samples``, and usage summed over them (the prompt counted once)."""
+        samples = [self._result(r, prompt, raise_on_error) for r in group]
+        res = copy.copy(samples[0])
+        res.samples = samples
+        res.usage = Usage(prompt_tokens=samples[0].usage.prompt_tokens,
+                          cached_tokens=samples[0].usage.cached_tokens,
+                          completion_tokens=sum(s.usage.completion_tokens for s in samples),
+                          forced_tokens=sum(s.usage.forced_tokens for s in samples))
+        return res
+
     def _result(self, r: Request, prompt: Any = None, raise_on_error: bool = False) -> Result:
         r.detok.flush()
         text = r.visible_text(final=True)
@@ -315,19 +337,22 @@ class Engine:
                     try:
                         spec = (self.make_spec(**per_item_specs[i]) if per_prompt else shared_spec)
                         ids = self.encode_chat(item) if chat else self._encode_raw(item)
-                        r = self._new_request(ids, params_at(i), spec, i, backend)
+                        p = params_at(i)
+                        group = [self._new_request(ids, p, spec, i, backend, j) for j in range(p.n)]
                     except (ValueError, TypeError) as e:
                         if single or raise_on_error:
                             raise
                         pending.append((i, item, self._error_result(i, e, item)))
                         continue
                     with self._core_lock:
-                        self.core.add(r)
-                    pending.append((i, item, r))
+                        for r in group:
+                            self.core.add(r)
+                    pending.append((i, item, group if len(group) > 1 else group[0]))
                 # Yield finished heads in order, then step.
                 while pending and _done(pending[0][2]):
                     i, item, x = pending.popleft()
-                    res = x if isinstance(x, Result) else self._result(x, item, raise_on_error)
+                    res = (x if isinstance(x, Result) else self._samples_result(x, item, raise_on_error)
+                           if isinstance(x, list) else self._result(x, item, raise_on_error))
                     if bar is not None:
                         bar.update(1)
                     yield res
@@ -335,14 +360,15 @@ class Engine:
                     return
                 with self._core_lock:  # another thread's step may have finished ours meanwhile
                     if pending and not _done(pending[0][2]):
-                        self._step_for(pending[0][2])
+                        self._step_for(next(r for r in _requests(pending[0][2]) if not r.finished))
         finally:
             if bar is not None:
                 bar.close()
             with self._core_lock:
                 for _, _, x in pending:  # the caller stopped early: free what is still running
-                    if isinstance(x, Request) and not x.finished:
-                        self.core.abort(x)
+                    for r in _requests(x):
+                        if not r.finished:
+                            self.core.abort(r)
                 self.core._drain()
 
     def _step_for(self, r: Request) -> None:
@@ -391,6 +417,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"stream takes one prompt and one SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.n != 1:
+            raise ValueError(f"stream yields one completion: n must be 1, got {params.n}")
         backend, spec_args = self._spec_args(spec_kwargs)
         spec = self.make_spec(**spec_args)
         if spec is not None:

@@ -205,6 +205,8 @@ def send_many(conversations: Sequence[Conversation], contents: Sequence[str],
         engine = conversations[0].engine
         ids = [c.next_turn_ids(m) for c, m in zip(conversations, contents)]
         params = params or conversations[0].params
+        if params.n != 1:  # the history goes on from one answer
+            raise ValueError(f"a conversation turn takes one completion: n must be 1, got {params.n}")
         results = engine.generate(ids, params, **spec_kwargs)
         for c, m, p, res in zip(conversations, contents, ids, results):
             c.commit(m, p, res)

@@ -127,6 +127,9 @@ def result_repr_text(result: Any) -> str:
     usage = _usage_line(result)
     if usage:
         fields.append(usage)
+    samples = getattr(result, "samples", None)
+    if samples:
+        fields.append(f"samples={len(samples)} (the first shown)")
     error = getattr(result, "error", None)
     if error:
         etype = getattr(result, "error_type", None)

@@ -36,6 +36,9 @@ class Result:
     # the sampled token then the k most likely (raw model distribution); None for a token
     # the grammar forced (never scored; Engine(fast_forward=False) samples and scores them).
     logprobs: list[dict[int, float] | None] | None = None
+    # With SamplingParams(n > 1): the n completions, each a Result of its own (samples[0] has
+    # the same fields as this one). This Result's usage counts them all (prompt once).
+    samples: list[Result] | None = None
 
     @property
     def ok(self) -> bool:
