@@ -416,6 +416,29 @@ def test_xgrammar_regex_means_what_python_means(manager):
             manager.compile(make_output_spec(regex=rx), "xgrammar")
 
 
+@pytest.mark.parametrize("rx, text", [
+    (r"\W+", "é"), (r"a\D", "a٣"), (r"[^\w]", "é"), ("a^b", "ab"), ("(^a)+", "aa"), ("(a$|b)c", "ac"),
+])
+def test_xgrammar_strict_false_accepts_its_looser_regex_reading(manager, caplog, rx, text):
+    """What xgrammar reads only more loosely than Python (ASCII \\W; anchors it ignores) is an
+    error under strict=True and, under strict=False, compiles with a warning, as a schema
+    keyword it drops does. The text shows the approximation is real: Python refuses it."""
+    import re
+
+    with pytest.raises(GrammarError, match="strict=False accepts"):
+        manager.compile(make_output_spec(regex=rx), "xgrammar")
+    with caplog.at_level(logging.WARNING, logger="constrained_serve.grammar.xgrammar"):
+        loose = manager.compile(make_output_spec(regex=rx, strict=False), "xgrammar")
+    assert loose.warnings and "xgrammar approximates regex spec" in caplog.text
+    assert manager.matches(loose, text) and re.fullmatch(rx, text) is None
+
+
+@pytest.mark.parametrize("rx", [r"a\G", "(?s:a.b)", r"[\^-x]"])
+def test_xgrammar_refuses_regexes_it_would_read_otherwise_even_when_not_strict(manager, rx):
+    with pytest.raises(GrammarError, match="as Python reads it"):
+        manager.compile(make_output_spec(regex=rx, strict=False), "xgrammar")
+
+
 @pytest.mark.parametrize("grammar, text, other", [
     ('root ::= "\\x41B"', "AB", "Л"),  # \x takes exactly two hex digits (xgrammar read "\x41B" as U+041B)
     ('root ::= "caf\\u00e9" [\\u0041-\\u005A]', "caféQ", "cafeQ"),  # \u, which llguidance refused
