@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import time
@@ -12,6 +13,7 @@ from constrained_serve.grammar import make_output_spec, parse_output
 
 
 from grammar_test_types import Person, Point  # noqa: E402
+from pydantic import BaseModel, ConfigDict  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -203,3 +205,27 @@ def test_schema_patterns_are_checked_as_ecma_262_reads_them_within_a_bound(caplo
     with caplog.at_level(logging.WARNING, logger="constrained_serve.grammar.regex_check"):
         assert parse_output(slow, '"' + "a" * 28 + 'b"')[0] == "a" * 28 + "b"
     assert time.perf_counter() - t0 < 3 and "left unchecked" in caplog.text
+
+
+class Note(BaseModel):
+    model_config = ConfigDict(strict=True)
+    when: datetime.datetime
+    text: str
+
+
+def test_a_lone_surrogate_escape_parses_into_the_type(manager):
+    """'\\ud800' is valid JSON text that xgrammar's JSON grammar allows and json.loads reads,
+    but Pydantic's JSON parser refuses (json_invalid): parsed then comes from the json.loads
+    value, in lax Python mode, so a strict model still reads its ISO datetime string, and
+    json and parsed hold the same string."""
+    spec = make_output_spec(schema=Note)
+    text = '{"when":"2024-01-01T09:00:00Z","text":"a\\ud800"}'
+    assert manager.matches(manager.compile(spec, "xgrammar"), text)
+    value, parsed = parse_output(spec, text)
+    assert value == {"when": "2024-01-01T09:00:00Z", "text": "a\ud800"}
+    assert parsed == Note(when=datetime.datetime(2024, 1, 1, 9, tzinfo=datetime.timezone.utc), text="a\ud800")
+    assert parsed.text == value["text"]
+    # The type's own refusals still stand, with the JSON kept.
+    with pytest.raises(OutputValidationError) as refused:
+        parse_output(spec, '{"when":"soon","text":"\\ud800"}')
+    assert refused.value.value == {"when": "soon", "text": "\ud800"}

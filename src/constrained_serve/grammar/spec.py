@@ -225,12 +225,34 @@ def parse_output(spec: OutputSpec, text: str) -> tuple[Any, Any]:
         return value, value
     from pydantic import TypeAdapter, ValidationError
 
+    adapter = TypeAdapter(spec.python_type)
     try:
         # JSON mode, as the type reads JSON: strict models take ISO dates and UUIDs as strings,
         # and a union "datetime | str" resolves to the datetime (Python mode picked the str).
-        return value, TypeAdapter(spec.python_type).validate_json(text)
+        return value, adapter.validate_json(text)
     except ValidationError as e:  # the grammar holds the schema, not the type's validators
+        if not (all(err["type"] == "json_invalid" for err in e.errors()) and _has_lone_surrogate(value)):
+            raise OutputValidationError(f"output does not validate as {spec.python_type!r}: {e}", value) from e
+    # A lone surrogate escape ("\\ud800"): valid JSON text, which the grammar allows and
+    # json.loads reads, but Pydantic's JSON parser refuses. Validate the value json.loads gave
+    # (so json and parsed hold the same string) in Python mode, lax: strict Python mode refuses
+    # the ISO datetimes, UUIDs and bytes that JSON mode reads from strings, lax mode takes them.
+    # Lax mode's other coercions ("1" for 1) need a value of another JSON type than the schema
+    # Pydantic wrote, which the grammar does not let through. One difference remains: a union
+    # of str with such a type ("UUID | str") resolves to the str here, to the UUID in JSON mode.
+    try:
+        return value, adapter.validate_python(value, strict=False)
+    except ValidationError as e:
         raise OutputValidationError(f"output does not validate as {spec.python_type!r}: {e}", value) from e
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Does a string (or key) in the JSON value hold a lone surrogate, which UTF-8 cannot encode?"""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
