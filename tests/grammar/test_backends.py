@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import logging
 
 import pytest
@@ -347,7 +348,6 @@ XGRAMMAR_DROPS = [
     # patternProperties next to properties is ignored (JSONSchemaBench wp_91 accepted "k":-2)
     ({"type": "object", "properties": {"b": {"type": "string"}}, "patternProperties": {".*": {"type": "string"}},
       "required": ["b"]}, '{"b":"a","k":-2}'),
-    ({"type": "string", "pattern": "^\\W+$"}, '"é"'),  # \W taken as the complement of ASCII \w
 ]
 
 
@@ -362,6 +362,28 @@ def test_xgrammar_strict_refuses_keywords_it_would_drop(manager, schema, text):
     loose = manager.compile(make_output_spec(schema=schema, strict=False), "xgrammar")
     assert manager.matches(loose, text)
     assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+
+
+@pytest.mark.parametrize("pattern, yes, no", [
+    ("^\\W+$", ["é", "٣", "!"], ["a", "_", "5"]),
+    ("^\\D+$", ["é", "٣", "a"], ["5"]),
+    ("^[^\\w]+$", ["é", " "], ["a"]),
+    ("^[a\\D]+$", ["a٣"], ["a5"]),
+])
+def test_schema_patterns_read_w_and_d_as_ecma_262_in_both(manager, backend, pattern, yes, no):
+    """A JSON Schema pattern is ECMA-262, whose \\w and \\d are ASCII: their complements take
+    "é" and "٣". Both backends read it so, so xgrammar is no longer refused these under strict
+    (only a regex= spec, which means Python's Unicode \\w, is), and the final check agrees."""
+    from constrained_serve.grammar import parse_output
+
+    spec = make_output_spec(schema={"type": "string", "pattern": pattern})
+    compiled = manager.compile(spec, backend)
+    assert not compiled.warnings
+    for text in yes:
+        assert manager.matches(compiled, json.dumps(text, ensure_ascii=False)), (pattern, text)
+        assert parse_output(spec, json.dumps(text, ensure_ascii=False))[0] == text
+    for text in no:
+        assert not manager.matches(compiled, json.dumps(text)), (pattern, text)
 
 
 @pytest.mark.parametrize("schema", [
@@ -392,6 +414,29 @@ def test_xgrammar_regex_means_what_python_means(manager):
                r"[x\W]", r"[^a\d]"):
         with pytest.raises(GrammarError, match="as Python reads it"):
             manager.compile(make_output_spec(regex=rx), "xgrammar")
+
+
+@pytest.mark.parametrize("rx, text", [
+    (r"\W+", "é"), (r"a\D", "a٣"), (r"[^\w]", "é"), ("a^b", "ab"), ("(^a)+", "aa"), ("(a$|b)c", "ac"),
+])
+def test_xgrammar_strict_false_accepts_its_looser_regex_reading(manager, caplog, rx, text):
+    """What xgrammar reads only more loosely than Python (ASCII \\W; anchors it ignores) is an
+    error under strict=True and, under strict=False, compiles with a warning, as a schema
+    keyword it drops does. The text shows the approximation is real: Python refuses it."""
+    import re
+
+    with pytest.raises(GrammarError, match="strict=False accepts"):
+        manager.compile(make_output_spec(regex=rx), "xgrammar")
+    with caplog.at_level(logging.WARNING, logger="constrained_serve.grammar.xgrammar"):
+        loose = manager.compile(make_output_spec(regex=rx, strict=False), "xgrammar")
+    assert loose.warnings and "xgrammar approximates regex spec" in caplog.text
+    assert manager.matches(loose, text) and re.fullmatch(rx, text) is None
+
+
+@pytest.mark.parametrize("rx", [r"a\G", "(?s:a.b)", r"[\^-x]"])
+def test_xgrammar_refuses_regexes_it_would_read_otherwise_even_when_not_strict(manager, rx):
+    with pytest.raises(GrammarError, match="as Python reads it"):
+        manager.compile(make_output_spec(regex=rx, strict=False), "xgrammar")
 
 
 @pytest.mark.parametrize("grammar, text, other", [

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import logging
+import time
 
 import pytest
 
@@ -10,6 +13,7 @@ from constrained_serve.grammar import make_output_spec, parse_output
 
 
 from grammar_test_types import Person, Point  # noqa: E402
+from pydantic import BaseModel, ConfigDict  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -153,3 +157,75 @@ def test_the_conformance_check_never_flags_valid_outputs():
     old = make_output_spec(schema={"type": "integer", "minimum": 0, "exclusiveMinimum": True})
     assert parse_output(old, "1")[0] == 1
     assert parse_output(make_output_spec(regex="[[:alpha:]]+"), "abc")[1] == "abc"
+
+
+def test_the_final_regex_check_is_bounded(caplog):
+    """re.fullmatch backtracks exponentially on some pattern and text pairs, and a text that
+    does not match is what the check exists for. The check runs with a time bound: re took
+    ~20 s for this one (and 4x longer per extra character)."""
+    t0 = time.perf_counter()
+    with pytest.raises(OutputValidationError, match="re.fullmatch"):
+        parse_output(make_output_spec(regex=r"(\w+\s?)+"), "a" * 28 + "!")
+    assert time.perf_counter() - t0 < 3
+    # Still Python's \w (the regex package's own takes the combining marks of "हिंदी").
+    with pytest.raises(OutputValidationError):
+        parse_output(make_output_spec(regex=r"(\w+\s?)+"), "हिंदी")
+    # A match that runs past the bound is left unchecked, and says so.
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="constrained_serve.grammar.regex_check"):
+        assert parse_output(make_output_spec(regex="(a|a)+b"), "a" * 28) == (None, "a" * 28)
+    assert time.perf_counter() - t0 < 3 and "left unchecked" in caplog.text
+
+
+def test_schema_patterns_are_checked_as_ecma_262_reads_them_within_a_bound(caplog):
+    r"""A JSON Schema pattern means what it means in ECMA-262: \w and \d are ASCII, so \W takes
+    "é" (as both backends do); jsonschema's re.search refused it, after backtracking for
+    seconds. Its \s is ECMA's (U+FEFF, not U+001C). patternProperties and
+    additionalProperties read their patterns the same way."""
+    spec = make_output_spec(schema={"type": "string", "pattern": "^(\\W+\\s?)+$"})
+    t0 = time.perf_counter()
+    assert parse_output(spec, '"' + "!" * 26 + 'é"')[0] == "!" * 26 + "é"
+    assert time.perf_counter() - t0 < 3
+    with pytest.raises(OutputValidationError, match="does not match"):
+        parse_output(spec, '"!a"')
+    space = make_output_spec(schema={"type": "string", "pattern": "^\\s$"})
+    assert parse_output(space, '"\\ufeff"')[0] == "\ufeff"
+    with pytest.raises(OutputValidationError):
+        parse_output(space, '"\\u001c"')
+    keys = make_output_spec(schema={"type": "object", "patternProperties": {"^\\W+$": {"type": "integer"}},
+                                    "additionalProperties": False})
+    assert parse_output(keys, '{"é":1}')[0] == {"é": 1}
+    with pytest.raises(OutputValidationError, match="at é"):
+        parse_output(keys, '{"é":"x"}')
+    with pytest.raises(OutputValidationError, match="do not match any of the regexes"):
+        parse_output(keys, '{"a":1,"b":2}')
+    # Past the bound: unchecked, with a warning.
+    slow = make_output_spec(schema={"type": "string", "pattern": "^(a|a)+$"})
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="constrained_serve.grammar.regex_check"):
+        assert parse_output(slow, '"' + "a" * 28 + 'b"')[0] == "a" * 28 + "b"
+    assert time.perf_counter() - t0 < 3 and "left unchecked" in caplog.text
+
+
+class Note(BaseModel):
+    model_config = ConfigDict(strict=True)
+    when: datetime.datetime
+    text: str
+
+
+def test_a_lone_surrogate_escape_parses_into_the_type(manager):
+    """'\\ud800' is valid JSON text that xgrammar's JSON grammar allows and json.loads reads,
+    but Pydantic's JSON parser refuses (json_invalid): parsed then comes from the json.loads
+    value, in lax Python mode, so a strict model still reads its ISO datetime string, and
+    json and parsed hold the same string."""
+    spec = make_output_spec(schema=Note)
+    text = '{"when":"2024-01-01T09:00:00Z","text":"a\\ud800"}'
+    assert manager.matches(manager.compile(spec, "xgrammar"), text)
+    value, parsed = parse_output(spec, text)
+    assert value == {"when": "2024-01-01T09:00:00Z", "text": "a\ud800"}
+    assert parsed == Note(when=datetime.datetime(2024, 1, 1, 9, tzinfo=datetime.timezone.utc), text="a\ud800")
+    assert parsed.text == value["text"]
+    # The type's own refusals still stand, with the JSON kept.
+    with pytest.raises(OutputValidationError) as refused:
+        parse_output(spec, '{"when":"soon","text":"\\ud800"}')
+    assert refused.value.value == {"when": "soon", "text": "\ud800"}

@@ -11,13 +11,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
-import warnings
 from typing import Any, Mapping, Sequence
 from urllib.parse import unquote
 
 from ..errors import GrammarError, OutputValidationError
 from ..params import OutputSpec
+from .regex_check import ecma_validator_class, python_fullmatch
 
 logger = logging.getLogger(__name__)
 
@@ -226,12 +225,34 @@ def parse_output(spec: OutputSpec, text: str) -> tuple[Any, Any]:
         return value, value
     from pydantic import TypeAdapter, ValidationError
 
+    adapter = TypeAdapter(spec.python_type)
     try:
         # JSON mode, as the type reads JSON: strict models take ISO dates and UUIDs as strings,
         # and a union "datetime | str" resolves to the datetime (Python mode picked the str).
-        return value, TypeAdapter(spec.python_type).validate_json(text)
+        return value, adapter.validate_json(text)
     except ValidationError as e:  # the grammar holds the schema, not the type's validators
+        if not (all(err["type"] == "json_invalid" for err in e.errors()) and _has_lone_surrogate(value)):
+            raise OutputValidationError(f"output does not validate as {spec.python_type!r}: {e}", value) from e
+    # A lone surrogate escape ("\\ud800"): valid JSON text, which the grammar allows and
+    # json.loads reads, but Pydantic's JSON parser refuses. Validate the value json.loads gave
+    # (so json and parsed hold the same string) in Python mode, lax: strict Python mode refuses
+    # the ISO datetimes, UUIDs and bytes that JSON mode reads from strings, lax mode takes them.
+    # Lax mode's other coercions ("1" for 1) need a value of another JSON type than the schema
+    # Pydantic wrote, which the grammar does not let through. One difference remains: a union
+    # of str with such a type ("UUID | str") resolves to the str here, to the UUID in JSON mode.
+    try:
+        return value, adapter.validate_python(value, strict=False)
+    except ValidationError as e:
         raise OutputValidationError(f"output does not validate as {spec.python_type!r}: {e}", value) from e
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Does a string (or key) in the JSON value hold a lone surrogate, which UTF-8 cannot encode?"""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
@@ -240,12 +261,14 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
     Python's ``re``; a backend may drop a schema keyword no check of ours knew about). Under
     ``strict=True`` a finished regex output must ``re.fullmatch`` and a JSON Schema output
     must validate with ``jsonschema``; otherwise it is reported, never passed as valid.
-    (``strict=False`` accepted the approximation; Pydantic types are checked by Pydantic.)"""
+    (``strict=False`` accepted the approximation; Pydantic types are checked by Pydantic.)
+    Patterns are matched with a time bound, through ``regex_check``: ``re`` backtracks
+    exponentially on some pattern and text pairs, and a text that does not match is exactly
+    what this check meets. A match past the bound leaves the output unchecked (a warning)."""
     if not spec.strict:
         return
     if spec.kind == "regex":
-        pattern = _python_regex(spec.text)
-        if pattern is not None and pattern.fullmatch(text) is None:
+        if python_fullmatch(spec.text, text) is False:  # None: cannot be known, so not checked
             raise OutputValidationError(
                 "the output does not match the regex as Python's re.fullmatch reads it (the grammar "
                 "backend read the pattern differently, e.g. Unicode classes); nothing was repaired", None)
@@ -265,18 +288,6 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _python_regex(pattern: str) -> re.Pattern | None:
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            compiled = re.compile(pattern)
-        # "Possible nested set" ([[:alpha:]], a&&b): Rust syntax Python reads otherwise: no check.
-        return None if caught else compiled
-    except (re.error, RecursionError, OverflowError):  # Rust-only syntax (\\p{L}, \\z): no check
-        return None
-
-
-@functools.lru_cache(maxsize=256)
 def _schema_validator(schema_text: str) -> Any:
     import jsonschema
 
@@ -286,7 +297,8 @@ def _schema_validator(schema_text: str) -> Any:
         schema = json.loads(schema_text)
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         cls.check_schema(schema)  # a draft-04 schema without $schema ("exclusiveMinimum": true): no check
-        return cls(schema)
+        # "pattern" keywords matched as ECMA-262 reads them, with a time bound (regex_check)
+        return ecma_validator_class(cls)(schema)
     except Exception:  # noqa: BLE001 - jsonschema cannot read it: the backend's word stands
         logger.debug("jsonschema cannot build a validator for a schema", exc_info=True)
         return None

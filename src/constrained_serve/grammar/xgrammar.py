@@ -3,7 +3,8 @@
 xgrammar silently ignores JSON Schema keywords it does not implement (``not``, ``if``,
 ``uniqueItems``, ``allOf`` merging, remote ``$ref``...), so with ``strict=True`` we refuse
 such schemas ourselves before compiling; regexes are brought to Python's meaning or refused
-(``xgrammar_gaps.py``).
+(``xgrammar_gaps.py``). ``strict=False`` accepts, with a warning, what xgrammar only reads
+more loosely.
 """
 from __future__ import annotations
 
@@ -157,14 +158,22 @@ class XGrammarBackend(GrammarBackend):
                     raise self._error(spec, msg, prefix="would approximate the spec (strict=True)")
                 logger.warning("xgrammar approximates json_schema spec: %s", msg)
         try:
-            handle = self._compile(spec)
+            regex = None
+            if spec.kind == "regex":
+                # strict=False: xgrammar's looser reading (ASCII \W, ignored anchors) is accepted
+                # and reported, as for a schema keyword it drops; strict=True refuses it here.
+                regex = xgrammar_regex(spec.text, spec.strict, warnings)
+                if warnings:
+                    logger.warning("xgrammar approximates regex spec %r: %s", spec.text, "; ".join(warnings))
+            handle = self._compile(spec, regex)
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its own message
             raise self._error(spec, str(e).strip()) from e
         return CompiledGrammar(self.name, spec, handle, time.perf_counter() - t0, warnings)
 
-    def _compile(self, spec: OutputSpec) -> xgr.CompiledGrammar:
+    def _compile(self, spec: OutputSpec, regex: str | None = None) -> xgr.CompiledGrammar:
+        """``regex``: a regex spec's pattern as ``xgrammar_regex`` rewrote it."""
         c = self._compiler
         if spec.is_json:
             return c.compile_json_schema(
@@ -174,7 +183,7 @@ class XGrammarBackend(GrammarBackend):
                 # we keep JSON Schema semantics, the same as llguidance.
                 strict_mode=False)
         if spec.kind == "regex":
-            return c.compile_regex(xgrammar_regex(spec.text))
+            return c.compile_regex(xgrammar_regex(spec.text) if regex is None else regex)
         if spec.kind == "lark":
             return c.compile_lark(spec.text)
         if spec.kind == "ebnf":

@@ -1,7 +1,8 @@
 """What xgrammar (checked on 0.2.9) would silently drop or read differently, found before
-compiling: JSON Schema keywords it does not enforce (refused under ``strict=True``), and
-regex syntax it reads otherwise than Python and llguidance do (brought to their meaning, or
-refused). Every case here was seen to accept text that the spec does not match.
+compiling: JSON Schema keywords it does not enforce, and regex syntax it reads otherwise than
+Python and llguidance do (brought to their meaning, or refused). What xgrammar would only
+read more loosely is refused under ``strict=True`` and accepted, with a warning, under
+``strict=False``. Every case here was seen to accept text that the spec does not match.
 """
 from __future__ import annotations
 
@@ -88,10 +89,11 @@ def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
     if isinstance(fmt, str) and fmt not in _FORMATS:
         found.append(f"{path}/format {fmt!r}")
     pat = schema.get("pattern")
+    # \W, \D and negated classes with \w/\d are fine here, unlike in a regex= spec: a JSON
+    # Schema pattern is ECMA-262, whose \w and \d are ASCII, so their complements take "é"
+    # and "٣" as xgrammar's do (seen on 0.2.9, the same as llguidance; see xgrammar_regex).
     if isinstance(pat, str) and _UNSUPPORTED_REGEX.search(pat):
         found.append(f"{path}/pattern {pat!r}")
-    elif isinstance(pat, str) and any(_ascii_class_negated(t) for t in _regex_tokens(pat)):
-        found.append(f"{path}/pattern {pat!r} (\\W, \\D read as ASCII complements)")
     if isinstance(schema.get("patternProperties"), dict) and schema.get("properties"):
         found.append(f"{path}/patternProperties (ignored next to properties)")
     for key in sorted(SCHEMA_NAME_MAPS):
@@ -164,32 +166,44 @@ def _constant(schema: Any) -> str | None:
     return None
 
 
-def xgrammar_regex(pattern: str) -> str:
+def xgrammar_regex(pattern: str, strict: bool = True, approximations: list[str] | None = None) -> str:
     """``pattern`` as xgrammar must read it to mean what it means to Python's ``re`` and to
     llguidance (a whole-text match): a ``.`` outside a class becomes ``[^\\n]`` (xgrammar's
     ``.`` matches a newline too); ``\\A`` and ``\\Z``/``\\z`` become ``^`` and ``$``. xgrammar
     ignores anchors, which is exact only where they stand at the edges of the text (``^a$|^b$``,
-    ``(^a|^b)c``); an anchor anywhere else (``a^b``, which then matched "ab"), ``\\G`` and
-    inline flags are refused with GrammarError. So are ``\\W``, ``\\D`` and negated classes
-    holding ``\\w`` or ``\\d``: xgrammar's ``\\w``/``\\d`` are ASCII-only, so their complement
-    takes "é" and "٣" (its ``\\w``/``\\d`` themselves are merely stricter than Python's)."""
+    ``(^a|^b)c``). Where xgrammar's reading is only looser than Python's, the pattern is refused
+    under ``strict=True`` and, under ``strict=False``, kept as xgrammar reads it with a line
+    added to ``approximations``: an anchor anywhere else (``a^b``, which then matched "ab"), and
+    ``\\W``, ``\\D`` and negated classes holding ``\\w`` or ``\\d`` (xgrammar's ``\\w``/``\\d`` are
+    ASCII-only, so their complement takes "é" and "٣"; its ``\\w``/``\\d`` themselves are merely
+    stricter than Python's). ``\\G``, inline flags and a class starting ``[\\^-`` are refused
+    either way: xgrammar would read them as something else, not as more.
+
+    (A JSON Schema ``pattern`` does not come here: it means ECMA-262's ASCII ``\\w``/``\\d``,
+    which is what xgrammar reads.)"""
+    def approximate(reason: str) -> None:
+        if strict:
+            raise _regex_error(pattern, reason + "; strict=False accepts xgrammar's looser reading")
+        if approximations is not None:
+            approximations.append(reason)
+
     tokens = _regex_tokens(pattern)
     if any(t == "\\G" or re.fullmatch(r"\(\?[a-zA-Z]+[:)]", t) for t in tokens):
         raise _regex_error(pattern, "xgrammar has no \\G and no inline flags")
     if any(_ascii_class_negated(t) for t in tokens):
-        raise _regex_error(pattern, "\\W, \\D or a negated class with \\w or \\d: xgrammar reads \\w and \\d "
-                                    "as ASCII, so their complement takes the letters and digits of other scripts "
-                                    "(é, ٣) that Python's re refuses; spell the class out or use llguidance")
+        approximate("\\W, \\D or a negated class with \\w or \\d: xgrammar reads \\w and \\d as ASCII, so their "
+                    "complement takes the letters and digits of other scripts (é, ٣) that Python's re refuses; "
+                    "spell the class out or use llguidance")
     tokens = ["^" if t == "\\A" else "$" if t in ("\\Z", "\\z") else "[^\\n]" if t == "." else
               _class(t, pattern) if t.startswith("[") else t for t in tokens]
     if _repeated_anchor(tokens):
-        raise _regex_error(pattern, "a repeated group holding an anchor, which xgrammar ignores")
+        approximate("a repeated group holding an anchor, which xgrammar ignores")
     opens = [t.startswith("(") for t in tokens]
     closes = [t == ")" for t in tokens]
     for anchor, seq, is_open, is_close in (("^", tokens, opens, closes),
                                           ("$", tokens[::-1], closes[::-1], opens[::-1])):
         if not _anchors_at_edge(seq, anchor, is_open, is_close):
-            raise _regex_error(pattern, f"an anchor {anchor!r} inside the text, which xgrammar ignores")
+            approximate(f"an anchor {anchor!r} inside the text, which xgrammar ignores")
     return "".join(tokens)
 
 
