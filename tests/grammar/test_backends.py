@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from constrained_serve.errors import GrammarError
-from constrained_serve.grammar import GrammarManager, make_output_spec
+from constrained_serve.errors import GrammarError, OutputValidationError
+from constrained_serve.grammar import GrammarManager, make_output_spec, parse_output
 
 MODEL_VOCAB = 49152  # SmolLM2-135M logits width (as in conftest)
 
@@ -409,6 +409,22 @@ def test_llguidance_hang_costs_one_thread_per_spec(default_model_dir):
     assert out["threads_after_retries"] == 1, out  # the first compile's, still spinning
     assert out["shared_future"] and out["other_error"] == "timeout" and out["threads_after_other"] == 2, out
     assert out["stats"]["misses"] == 2 and out["stats"]["timeout_refusals"] == 3, out
+
+
+def test_lark_regex_alternation_is_reported_under_strict(manager, backend):
+    # Both backends read a terminal's regex as a regular language: A takes "ab" and "abc".
+    # lark (Python's re) takes the first alternative that matches, "a", and then fails on
+    # "b": the grammar allowed an output that lark cannot parse back. strict=True says so.
+    grammar = 'start: A "c"?\nA: /a|ab|abc/'
+    spec, loose = make_output_spec(grammar=grammar), make_output_spec(grammar=grammar, strict=False)
+    compiled = manager.compile(spec, backend)
+    for text in ("ab", "abc", "abcc"):
+        assert manager.matches(compiled, text), (backend, text)
+        with pytest.raises(OutputValidationError, match="lark package's reading"):
+            parse_output(spec, text)
+        assert parse_output(loose, text) == (None, text)
+    for text in ("a", "ac"):  # what lark reads the same way passes
+        assert manager.matches(compiled, text) and parse_output(spec, text) == (None, text)
 
 
 def test_xgrammar_eager_masks_option(tokenizer):
