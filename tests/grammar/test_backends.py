@@ -427,6 +427,30 @@ def test_lark_regex_alternation_is_reported_under_strict(manager, backend):
         assert manager.matches(compiled, text) and parse_output(spec, text) == (None, text)
 
 
+# The README's greedy-terminal examples: (grammar, text xgrammar accepts and lark refuses,
+# the same grammar written so that its terminal cannot swallow what follows, a text all take)
+GREEDY_TERMINALS = [
+    ('start: WORD "s"\nWORD: /[a-z]+/', "cats", "start: WORD_S\nWORD_S: /[a-z]+s/", "cats"),
+    ('start: "x" "y"\nCOMMENT: /#[^\\n]*/\n%ignore COMMENT', "x#zy",
+     'start: "x" "y"\nCOMMENT: /#[^\\n]*\\n/\n%ignore COMMENT', "x#z\ny"),
+]
+
+
+@pytest.mark.parametrize("grammar,swallowed,fixed,text", GREEDY_TERMINALS, ids=["word", "ignored_comment"])
+def test_greedy_lark_terminals(manager, grammar, swallowed, fixed, text):
+    # xgrammar has no lexer: WORD may stop before the "s", the comment before the "y".
+    # lark and llguidance lex greedily and refuse; strict=True reports xgrammar's output.
+    spec = make_output_spec(grammar=grammar)
+    assert manager.matches(manager.compile(spec, "xgrammar"), swallowed)
+    assert not manager.matches(manager.compile(spec, "llguidance"), swallowed)
+    with pytest.raises(OutputValidationError, match="lark package's reading"):
+        parse_output(spec, swallowed)
+    spec = make_output_spec(grammar=fixed)
+    for backend in ("llguidance", "xgrammar"):
+        assert manager.matches(manager.compile(spec, backend), text), backend
+    assert parse_output(spec, text) == (None, text)
+
+
 def test_xgrammar_eager_masks_option(tokenizer):
     mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend="xgrammar", max_workers=1,
                          backend_options={"xgrammar": {"lazy_masks": False}})
