@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from constrained_serve.errors import GrammarError
-from constrained_serve.grammar import GrammarManager, make_output_spec
+from constrained_serve.errors import GrammarError, OutputValidationError
+from constrained_serve.grammar import GrammarManager, make_output_spec, parse_output
 
 MODEL_VOCAB = 49152  # SmolLM2-135M logits width (as in conftest)
 
@@ -318,6 +318,138 @@ def test_compile_timeout_is_bounded(tokenizer, backend):
         assert err.value.reason == "timeout"
     finally:
         mgr.close()
+
+
+def test_timed_out_spec_is_refused_at_once_on_retry(tokenizer, backend):
+    # Each retry of a spec that timed out used to start one more compile thread (which, for
+    # a spec the engine never finishes, spins for ever). Now it is refused without compiling.
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,20}@[a-z]{2,9}"}
+                                            for i in range(200)}}
+    mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend=backend, max_workers=1, compile_timeout_s=1e-4)
+    try:
+        spec = make_output_spec(schema=big)
+        with pytest.raises(GrammarError, match="longer than") as first:
+            mgr.compile(spec)
+        misses = mgr.stats["misses"]
+        for _ in range(3):
+            with pytest.raises(GrammarError) as again:
+                mgr.compile_async(spec).result(timeout=0)  # already failed: no waiting at all
+            assert str(again.value) == str(first.value) and again.value.reason == "timeout"
+            assert again.value.backend == backend and again.value is not first.value
+        assert mgr.stats["misses"] == misses and mgr.stats["timeout_refusals"] == 3
+        # keyed like the cache: the same schema with another strict flag is another spec
+        with pytest.raises(GrammarError, match="longer than"):
+            mgr.compile(make_output_spec(schema=big, strict=False))
+        assert mgr.stats["misses"] == misses + 1 and mgr.stats["timeouts"] == 2
+    finally:
+        mgr.close()
+
+
+# A Lark grammar llguidance never finishes with (1.9.1: its first mask spins for ever,
+# with growing memory): A is greedy and B can only start with what A would swallow.
+LLGUIDANCE_HANG = 'start: A B\nA: /a+/\nB: /a/\n'
+LLGUIDANCE_HANG_2 = 'start: A B\nA: /x+/\nB: /x/\n'
+
+_HANG_SCRIPT = """
+import json, sys, threading, time
+from transformers import AutoTokenizer
+from constrained_serve.errors import GrammarError
+from constrained_serve.grammar import GrammarManager, make_output_spec
+from constrained_serve.models.loader import default_model_dir
+
+def spinning():
+    return sum(t.name == "grammar-compile-llguidance" for t in threading.enumerate())
+
+tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+mgr = GrammarManager(tok, %(vocab)d, max_workers=2, compile_timeout_s=1.0)
+mgr.backend()  # tokenizer tables, outside the timings
+spec = make_output_spec(grammar=sys.argv[1])
+out = {"errors": [], "seconds": []}
+for _ in range(4):
+    t0 = time.perf_counter()
+    try:
+        mgr.compile(spec)
+        out["errors"].append(None)
+    except GrammarError as e:
+        out["errors"].append(e.reason)
+    out["seconds"].append(time.perf_counter() - t0)
+out["threads_after_retries"] = spinning()
+# two submits of another hanging spec while it is in flight: one compile, one thread
+other = make_output_spec(grammar=sys.argv[2])
+f1, f2 = mgr.compile_async(other), mgr.compile_async(other)
+out["shared_future"] = f1 is f2
+try:
+    f2.result(timeout=30)
+except GrammarError as e:
+    out["other_error"] = e.reason
+out["threads_after_other"] = spinning()
+out["stats"] = mgr.stats
+print(json.dumps(out))
+""" % {"vocab": MODEL_VOCAB}
+
+
+def test_llguidance_hang_costs_one_thread_per_spec(default_model_dir):
+    # In a child process: the abandoned thread cannot be stopped and would spin (and grow)
+    # for the rest of the test session; the child's exit ends it.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import constrained_serve
+
+    src = str(Path(constrained_serve.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, "-c", _HANG_SCRIPT, LLGUIDANCE_HANG, LLGUIDANCE_HANG_2], capture_output=True, text=True,
+                          env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["errors"] == ["timeout"] * 4, out
+    assert out["seconds"][0] >= 1.0 and max(out["seconds"][1:]) < 0.1, out
+    assert out["threads_after_retries"] == 1, out  # the first compile's, still spinning
+    assert out["shared_future"] and out["other_error"] == "timeout" and out["threads_after_other"] == 2, out
+    assert out["stats"]["misses"] == 2 and out["stats"]["timeout_refusals"] == 3, out
+
+
+def test_lark_regex_alternation_is_reported_under_strict(manager, backend):
+    # Both backends read a terminal's regex as a regular language: A takes "ab" and "abc".
+    # lark (Python's re) takes the first alternative that matches, "a", and then fails on
+    # "b": the grammar allowed an output that lark cannot parse back. strict=True says so.
+    grammar = 'start: A "c"?\nA: /a|ab|abc/'
+    spec, loose = make_output_spec(grammar=grammar), make_output_spec(grammar=grammar, strict=False)
+    compiled = manager.compile(spec, backend)
+    for text in ("ab", "abc", "abcc"):
+        assert manager.matches(compiled, text), (backend, text)
+        with pytest.raises(OutputValidationError, match="lark package's reading"):
+            parse_output(spec, text)
+        assert parse_output(loose, text) == (None, text)
+    for text in ("a", "ac"):  # what lark reads the same way passes
+        assert manager.matches(compiled, text) and parse_output(spec, text) == (None, text)
+
+
+# The README's greedy-terminal examples: (grammar, text xgrammar accepts and lark refuses,
+# the same grammar written so that its terminal cannot swallow what follows, a text all take)
+GREEDY_TERMINALS = [
+    ('start: WORD "s"\nWORD: /[a-z]+/', "cats", "start: WORD_S\nWORD_S: /[a-z]+s/", "cats"),
+    ('start: "x" "y"\nCOMMENT: /#[^\\n]*/\n%ignore COMMENT', "x#zy",
+     'start: "x" "y"\nCOMMENT: /#[^\\n]*\\n/\n%ignore COMMENT', "x#z\ny"),
+]
+
+
+@pytest.mark.parametrize("grammar,swallowed,fixed,text", GREEDY_TERMINALS, ids=["word", "ignored_comment"])
+def test_greedy_lark_terminals(manager, grammar, swallowed, fixed, text):
+    # xgrammar has no lexer: WORD may stop before the "s", the comment before the "y".
+    # lark and llguidance lex greedily and refuse; strict=True reports xgrammar's output.
+    spec = make_output_spec(grammar=grammar)
+    assert manager.matches(manager.compile(spec, "xgrammar"), swallowed)
+    assert not manager.matches(manager.compile(spec, "llguidance"), swallowed)
+    with pytest.raises(OutputValidationError, match="lark package's reading"):
+        parse_output(spec, swallowed)
+    spec = make_output_spec(grammar=fixed)
+    for backend in ("llguidance", "xgrammar"):
+        assert manager.matches(manager.compile(spec, backend), text), backend
+    assert parse_output(spec, text) == (None, text)
 
 
 def test_xgrammar_eager_masks_option(tokenizer):

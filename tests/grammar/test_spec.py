@@ -5,6 +5,7 @@ import datetime
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from constrained_serve.grammar import make_output_spec, parse_output
 
 from grammar_test_types import Person, Point  # noqa: E402
 from pydantic import BaseModel, ConfigDict  # noqa: E402
+
+GRAMMARS = Path(__file__).resolve().parents[2] / "grammars"
 
 
 @dataclasses.dataclass
@@ -157,6 +160,15 @@ def test_the_conformance_check_never_flags_valid_outputs():
     old = make_output_spec(schema={"type": "integer", "minimum": 0, "exclusiveMinimum": True})
     assert parse_output(old, "1")[0] == 1
     assert parse_output(make_output_spec(regex="[[:alpha:]]+"), "abc")[1] == "abc"
+    # Lark: what lark cannot read (llguidance's special tokens, Rust-only regex) goes unchecked,
+    # and lark's LALR parser refusing a valid text (a shift/reduce conflict lark resolved
+    # silently: " + " in arith.lark) is not a refusal: its Earley parser decides.
+    assert parse_output(make_output_spec(grammar='start: "a" <[2]>'), "a")[1] == "a"
+    assert parse_output(make_output_spec(grammar="start: /\\p{L}+/"), "abc")[1] == "abc"
+    arith = (GRAMMARS / "arith.lark").read_text()
+    assert parse_output(make_output_spec(grammar=arith), "1 + 2 * 3")[1] == "1 + 2 * 3"
+    long = " + ".join(["(12.5 - 3)"] * 40)  # past the Earley length bound, LALR refuses: unchecked
+    assert len(long) > 256 and parse_output(make_output_spec(grammar=arith), long)[1] == long
 
 
 def test_the_final_regex_check_is_bounded(caplog):

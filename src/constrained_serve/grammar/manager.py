@@ -4,6 +4,9 @@ Compilation runs on a small thread pool so the scheduler never waits for it; eac
 runs in its own daemon thread joined with a timeout, because neither engine can be
 interrupted: a runaway compile is abandoned (and logged), never waited for; its thread
 keeps its CPU until the engine returns, which is the price of never blocking a request.
+Some specs never return (llguidance spins for ever on the Lark grammar ``start: A B``,
+``A: /a+/``, ``B: /a/``), so a spec that timed out is remembered and refused at once when
+submitted again: each retry would otherwise start one more thread that spins for ever.
 
 Typical engine use::
 
@@ -20,6 +23,8 @@ import collections
 import concurrent.futures as cf
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -34,6 +39,20 @@ __all__ = ["GrammarManager", "BACKENDS"]
 
 BACKENDS = ("llguidance", "xgrammar")
 CacheKey = tuple[str, str, str, bool, bool]
+_RUNNING = object()  # no outcome yet from a compile thread
+
+
+@dataclass
+class _TimedOut:
+    """A compile abandoned at ``compile_timeout_s``: the refusal every retry of its spec gets,
+    and the thread that may still be running it."""
+
+    error: GrammarError
+    thread: threading.Thread
+
+    def refusal(self) -> GrammarError:
+        # A fresh exception per future: one shared instance would pile up tracebacks.
+        return GrammarError(str(self.error), backend=self.error.backend, reason=self.error.reason)
 
 
 class GrammarManager:
@@ -59,9 +78,13 @@ class GrammarManager:
         self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
         # One in-flight future per key, so concurrent requests for one spec compile it once.
         self._pending: dict[CacheKey, cf.Future] = {}
+        # Specs whose compile timed out, keyed like the cache. The refusal stands even if the
+        # abandoned compile ends later: the same spec gets the same answer whenever it comes.
+        self._timed_out: collections.OrderedDict[CacheKey, _TimedOut] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
-        self.stats = {"hits": 0, "misses": 0, "compiles": 0}
+        # timeouts: compiles abandoned; timeout_refusals: retries of those refused without compiling
+        self.stats = {"hits": 0, "misses": 0, "compiles": 0, "timeouts": 0, "timeout_refusals": 0}
 
     # -- backends ------------------------------------------------------------------------
     def backend(self, name: str | None = None) -> GrammarBackend:
@@ -107,9 +130,16 @@ class GrammarManager:
                 fut.set_result(hit)
                 return fut
             pending = self._pending.get(key)
-            if pending is not None:
+            if pending is not None:  # in flight: share it, even while it runs into its timeout
                 self.stats["hits"] += 1
                 return pending
+            timed_out = self._timed_out.get(key)
+            if timed_out is not None:
+                self._timed_out.move_to_end(key)
+                self.stats["timeout_refusals"] += 1
+                fut = cf.Future()
+                fut.set_exception(timed_out.refusal())
+                return fut
             self.stats["misses"] += 1
             fut = self._pool.submit(self._compile_bounded, spec, name, key)
             self._pending[key] = fut
@@ -121,9 +151,11 @@ class GrammarManager:
     def _compile_bounded(self, spec: OutputSpec, name: str, key: CacheKey) -> CompiledGrammar:
         try:
             b = self.backend(name)
-            box: dict[str, Any] = {}
+            box: dict[str, Any] = {}  # "done": the CompiledGrammar or the exception; under self._lock
 
             def work() -> None:
+                t0 = time.monotonic()
+                outcome: Any
                 try:
                     compiled = b.compile(spec)
                     # Refused at submit like any bad spec, rather than aborting mid-batch.
@@ -131,25 +163,34 @@ class GrammarManager:
                         raise GrammarError(f"{name}: the {spec.kind} spec matches no text at all "
                                            f"(nothing can be generated from its start)",
                                            backend=name, reason="matches no text")
-                    box["ok"] = compiled
+                    outcome = compiled
                 except BaseException as e:  # surfaced below, in the caller's future
-                    box["err"] = e
+                    outcome = e
+                with self._lock:
+                    box["done"] = outcome
+                    late = key in self._timed_out
+                if late:
+                    logger.info("abandoned %s compile of a %s spec ended after %.1f s (%s); the spec "
+                                "stays refused", name, spec.kind, time.monotonic() - t0,
+                                "failed" if isinstance(outcome, BaseException) else "compiled")
 
             t = threading.Thread(target=work, name=f"grammar-compile-{name}", daemon=True)
             t.start()
             t.join(self.compile_timeout_s)
-            if t.is_alive():
-                logger.warning("%s compile of %s spec exceeded %.1f s; abandoned", name, spec.kind,
-                               self.compile_timeout_s)
-                raise GrammarError(f"{name}: compiling the {spec.kind} spec took longer than "
-                                   f"{self.compile_timeout_s:g} s", backend=name, reason="timeout")
-            if "err" in box:
-                err = box["err"]
-                if isinstance(err, GrammarError):
-                    raise err
-                raise GrammarError(f"{name}: unexpected error compiling the {spec.kind} spec: {err!r}",
-                                   backend=name, reason=str(err)) from err
-            compiled: CompiledGrammar = box["ok"]
+            with self._lock:  # decided under the lock, so a compile ending just now is not lost
+                outcome = box.get("done", _RUNNING)
+                timed_out = self._remember_timeout(key, spec, name, t) if outcome is _RUNNING else None
+            if timed_out is not None:
+                logger.warning("%s compile of a %s spec exceeded %.1f s; abandoned (%d abandoned compile "
+                               "thread(s) still running; they cannot be stopped)", name, spec.kind,
+                               self.compile_timeout_s, self.abandoned_running())
+                raise timed_out.error
+            if isinstance(outcome, BaseException):
+                if isinstance(outcome, GrammarError):
+                    raise outcome
+                raise GrammarError(f"{name}: unexpected error compiling the {spec.kind} spec: {outcome!r}",
+                                   backend=name, reason=str(outcome)) from outcome
+            compiled: CompiledGrammar = outcome
             with self._lock:
                 self.stats["compiles"] += 1
                 self._cache[key] = compiled
@@ -160,6 +201,27 @@ class GrammarManager:
         finally:
             with self._lock:
                 self._pending.pop(key, None)
+
+    def _remember_timeout(self, key: CacheKey, spec: OutputSpec, name: str,
+                          thread: threading.Thread) -> _TimedOut:
+        """Record an abandoned compile (caller holds ``self._lock``)."""
+        error = GrammarError(f"{name}: compiling the {spec.kind} spec took longer than "
+                             f"{self.compile_timeout_s:g} s (abandoned; a retry of this spec is "
+                             f"refused at once)", backend=name, reason="timeout")
+        entry = self._timed_out[key] = _TimedOut(error, thread)
+        self.stats["timeouts"] += 1
+        # Bounded like the cache, but an entry whose thread still runs stays: forgetting it
+        # would let the next retry start a second thread on the same spec.
+        excess = len(self._timed_out) - self.cache_size
+        if excess > 0:
+            for k in [k for k, v in self._timed_out.items() if not v.thread.is_alive()][:excess]:
+                del self._timed_out[k]
+        return entry
+
+    def abandoned_running(self) -> int:
+        """Abandoned compiles whose threads still run (each holds a core while it spins)."""
+        with self._lock:
+            return sum(v.thread.is_alive() for v in self._timed_out.values())
 
     # -- matchers and masks --------------------------------------------------------------
     def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:

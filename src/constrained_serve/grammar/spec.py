@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import warnings
 from typing import Any, Mapping, Sequence
 from urllib.parse import unquote
 
@@ -259,9 +260,11 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
     """The last line of the guarantee. A backend's grammar can be looser than the spec as
     the user reads it (xgrammar and llguidance read some regex classes differently from
     Python's ``re``; a backend may drop a schema keyword no check of ours knew about). Under
-    ``strict=True`` a finished regex output must ``re.fullmatch`` and a JSON Schema output
-    must validate with ``jsonschema``; otherwise it is reported, never passed as valid.
-    (``strict=False`` accepted the approximation; Pydantic types are checked by Pydantic.)
+    ``strict=True`` a finished regex output must ``re.fullmatch``, a JSON Schema output
+    must validate with ``jsonschema`` and a Lark output must parse with ``lark`` (see
+    ``_lark_refusal``: both backends read a Lark terminal as a regular language where the
+    ``lark`` package takes Python's first matching alternative); otherwise it is reported,
+    never passed as valid. (``strict=False`` accepted the approximation; Pydantic types are checked by Pydantic.)
     Patterns are matched with a time bound, through ``regex_check``: ``re`` backtracks
     exponentially on some pattern and text pairs, and a text that does not match is exactly
     what this check meets. A match past the bound leaves the output unchecked (a warning)."""
@@ -272,6 +275,14 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
             raise OutputValidationError(
                 "the output does not match the regex as Python's re.fullmatch reads it (the grammar "
                 "backend read the pattern differently, e.g. Unicode classes); nothing was repaired", None)
+    elif spec.kind == "lark":
+        refusal = _lark_refusal(spec.text, text)
+        if refusal is not None:
+            raise OutputValidationError(
+                f"the output does not parse with the lark package's reading of the grammar ({refusal}); "
+                f"the grammar backend read a terminal differently (a regex alternation such as /a|ab/, "
+                f"where lark takes the first alternative that matches, or a terminal that swallows "
+                f"what follows it); nothing was repaired", None)
     elif spec.kind == "json_schema":
         validator = _schema_validator(spec.text)
         error = None
@@ -285,6 +296,70 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
             raise OutputValidationError(
                 f"the output does not validate against the schema at {where}: {error.message} (the grammar "
                 f"backend approximated the schema); nothing was repaired", value)
+
+
+@functools.lru_cache(maxsize=256)
+# lark's Earley parser is cubic on ambiguous grammars (a 400-character "1+1+...+1" takes 8 s
+# with expr: expr OP expr | NUMBER): past this length only the linear LALR parse is tried.
+LARK_EARLEY_MAX_CHARS = 256
+
+
+def _lark_refusal(grammar: str, text: str) -> str | None:
+    """Why the ``lark`` package refuses ``text`` for ``grammar``; None when it parses, or when
+    lark cannot tell (not installed, cannot read the grammar: llguidance extensions, Rust-only
+    regex syntax; or a long text that only the Earley parser could vouch for).
+
+    LALR first, as it is linear; it accepts or cannot decide: lark resolves shift/reduce
+    conflicts silently, so its LALR parser refuses some texts the grammar admits. A refusal
+    is lark's default (Earley) parser's, as ``lark.Lark(grammar).parse`` would give it."""
+    lalr, earley = _lark_parsers(grammar)
+    if lalr is None and earley is None:
+        return None
+    import lark
+
+    if lalr is not None:
+        try:
+            lalr.parse(text)
+            return None
+        except lark.exceptions.LarkError:
+            pass
+        except RecursionError:  # a deeply nested text
+            logger.debug("lark's LALR parser could not check an output", exc_info=True)
+    if earley is None or len(text) > LARK_EARLEY_MAX_CHARS:
+        logger.debug("a Lark output of %d characters is left unchecked", len(text))
+        return None
+    try:
+        earley.parse(text)
+        return None
+    except lark.exceptions.UnexpectedInput as e:
+        # lark's first line says what and where; "Expected one of:" lists on the lines after
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        return lines[0] + (" " + " ".join(lines[1:4]) if lines[0].endswith(":") else "")
+    except Exception:  # noqa: BLE001 - lark failed in its own way: the backend's word stands
+        logger.debug("lark could not check an output", exc_info=True)
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _lark_parsers(grammar: str) -> tuple[Any, Any]:
+    """``(lalr, earley)`` parsers of ``grammar``, each None where lark cannot build it."""
+    try:
+        import lark
+    except ImportError:
+        logger.debug("the lark package is not installed: Lark outputs are not re-checked")
+        return None, None
+    parsers = []
+    for parser in ("lalr", "earley"):
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                built = lark.Lark(grammar, parser=parser)
+            # A regex Python reads otherwise ("possible nested set" in [[:alpha:]]): no check.
+            parsers.append(None if caught else built)
+        except Exception:  # noqa: BLE001 - a grammar lark cannot read: the backend's word stands
+            logger.debug("lark cannot build a %s parser for a grammar", parser, exc_info=True)
+            parsers.append(None)
+    return parsers[0], parsers[1]
 
 
 @functools.lru_cache(maxsize=256)
