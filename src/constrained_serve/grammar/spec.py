@@ -298,7 +298,6 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
                 f"backend approximated the schema); nothing was repaired", value)
 
 
-@functools.lru_cache(maxsize=256)
 # lark's Earley parser is cubic on ambiguous grammars (a 400-character "1+1+...+1" takes 8 s
 # with expr: expr OP expr | NUMBER): past this length only the linear LALR parse is tried.
 LARK_EARLEY_MAX_CHARS = 256
