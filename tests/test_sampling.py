@@ -368,3 +368,48 @@ def test_logprobs_param_is_validated():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="logprobs"):
             SamplingParams(logprobs=bad)
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_prompt_logprobs_match_transformers(tiny_engine_factory, tiny_llama_dir, chunk):
+    """prompt_logprobs=k: each prompt token's logprob given the tokens before it, and the k
+    most likely there, as HF transformers' log_softmax gives them; also when the prompt is
+    prefilled in chunks, already in the prefix cache (which it must not reuse), shares its
+    batch with other requests, or is sampled n times (scored once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    eng = tiny_engine_factory(max_num_batched_tokens=chunk)
+    text = "The capital of France is Paris, and the capital of Italy is Rome. " * 3
+    prompt = eng.encode_prompt(text)
+    eng.generate([text], SamplingParams(max_tokens=2))  # now cached
+    p = SamplingParams(max_tokens=3, prompt_logprobs=2, n=2, temperature=1.0, seed=1)
+    res, other = eng.generate([text, "Hello there"], [p, SamplingParams(max_tokens=3)])
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    lps = res.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None and res.usage.cached_tokens == 0
+    for i in range(1, len(prompt)):
+        row, tok = ref[i - 1], prompt[i]
+        assert list(lps[i])[0] == tok and abs(lps[i][tok] - row[tok].item()) < 1e-4
+        top = row.topk(2).indices.tolist()
+        assert set(lps[i]) == {tok, *top} and all(abs(lps[i][t] - row[t].item()) < 1e-4 for t in top)
+    assert res.samples[1].prompt_logprobs is None and other.prompt_logprobs is None
+    assert res.samples[1].usage.cached_tokens > 0  # the other sample reused the prompt's pages
+
+
+def test_prompt_logprobs_survive_preemption(tiny_engine_factory):
+    """A preempted request recomputes its prompt; its prompt logprobs are neither lost nor
+    recorded twice."""
+    eng = tiny_engine_factory(kv_cache_tokens=256, page_size=16, max_num_batched_tokens=64)
+    text = "one two three four five six seven eight nine ten " * 4
+    ref = eng.generate([text], SamplingParams(max_tokens=2, prompt_logprobs=0))[0].prompt_logprobs
+    params = [SamplingParams(max_tokens=80, ignore_eos=True, prompt_logprobs=0)] * 8
+    rs = eng.generate([text + str(i) for i in range(8)], params)
+    assert eng.core.scheduler.num_preemptions > 0
+    for r in rs:
+        assert len(r.prompt_logprobs) == len(ref) + 1
+        assert all(a == b or abs(a[k] - b[k]) < 1e-4 for a, b in zip(r.prompt_logprobs[1:], ref[1:]) for k in a)

@@ -187,6 +187,8 @@ class Engine:
         if sample:  # sample 0 keeps the seed: with n=1 the same seed gives the same output
             seed = step_seed(seed, -sample)
         r = Request(prompt_ids=ids, params=params, spec=spec, seed=seed, index=index)
+        if params.prompt_logprobs is not None and sample == 0:  # the samples share one prompt
+            r.prompt_logprobs = [None]
         if spec is not None:
             r.grammar_future = self.grammar.compile_async(spec, backend)
         return r
@@ -211,7 +213,7 @@ class Engine:
                      usage=Usage(prompt_tokens=r.num_prompt, cached_tokens=r.num_cached,
                                  completion_tokens=r.num_output, forced_tokens=r.num_forced),
                      error=r.error, error_type=r.error_type, index=r.index, prompt=prompt,
-                     stop_reason=r.stop_reason, logprobs=r.logprobs)
+                     stop_reason=r.stop_reason, logprobs=r.logprobs, prompt_logprobs=r.prompt_logprobs)
         refused: OutputValidationError | None = None
         if r.spec is not None and res.error is None:
             if res.finish_reason == "length":

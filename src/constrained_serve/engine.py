@@ -26,7 +26,7 @@ from .detokenizer import IncrementalDetokenizer
 from .interrupts import sigint_deferred
 from .request import Request, Status
 from .runner import Batch, ModelRunner
-from .sampler import Sampler
+from .sampler import Sampler, record_prompt_logprobs
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -221,6 +221,9 @@ class EngineCore:
         else:
             logits = self.runner.forward(inputs)  # on CUDA: launched, not waited for
             bitmask = self._fill_masks(reqs)
+        if inputs.prompt_rows:  # after the sampling rows; scored before penalties touch logits
+            record_prompt_logprobs(logits[len(reqs):], inputs.prompt_rows)
+            logits = logits[:len(reqs)]
         tokens, logprobs = self.sampler.sample(logits, reqs, bitmask) if reqs else ([], None)
         self._update(batch, tokens, logprobs)
         self.num_steps += 1

@@ -37,6 +37,10 @@ class SamplingParams:
     # from the model's raw distribution: before penalties, the grammar mask and temperature
     # (vLLM's default "raw_logprobs"). None: off.
     logprobs: int | None = None
+    # Log-probabilities of each prompt token given the tokens before it (k: also the k most
+    # likely there), as vLLM's prompt_logprobs: Result.prompt_logprobs, None for the first
+    # token. Such a request computes its whole prompt (no prefix-cache reuse). None: off.
+    prompt_logprobs: int | None = None
     # Completions per prompt (vLLM/OpenAI ``n``): independent samples sharing the prompt's
     # KV through the prefix cache. The Result carries the first; Result.samples all n.
     n: int = 1
@@ -73,10 +77,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _check_real(name, getattr(self, name), -2.0, 2.0, "in [-2, 2] (0 disables it)")
         _check_int("n", self.n, 1, "an integer in [1, 256]", hi=256)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, "None or an integer in [0, 20]", hi=20)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, "None or an integer in [0, 20]", hi=20)
         # Plain Python numbers from here on (a numpy seed overflowed the per-step seed mix).
-        for name in ("max_tokens", "top_k", "seed", "logprobs", "n"):
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "n"):
             if getattr(self, name) is not None:
                 setattr(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):

@@ -59,6 +59,10 @@ class Request:
     text_end: int | None = None  # set by a stop token: its text is left out, as in vLLM
     # Per output token when params.logprobs is set: {token: logprob, ...}; None for forced tokens.
     logprobs: list[dict[int, float] | None] | None = None
+    # Per prompt token when its prompt logprobs are wanted (set by the API: [None], the first
+    # token's); entry i is filled from the logits at position i - 1. Such a request computes
+    # its prompt itself: the prefix cache does not keep logits.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

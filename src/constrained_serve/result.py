@@ -39,6 +39,9 @@ class Result:
     # With SamplingParams(n > 1): the n completions, each a Result of its own (samples[0] has
     # the same fields as this one). This Result's usage counts them all (prompt once).
     samples: list[Result] | None = None
+    # With SamplingParams(prompt_logprobs=k): per prompt token {token id: logprob, then the k
+    # most likely}, given the tokens before it (raw model distribution); None for the first.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def ok(self) -> bool:

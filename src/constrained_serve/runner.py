@@ -47,7 +47,10 @@ class ForwardInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor
+    logits_indices: torch.Tensor  # the sampling rows, then the prompt-logprob rows
+    # Prompt-logprob rows (after the sampling rows in the logits): (request, position p)
+    # whose logits score prompt token p + 1.
+    prompt_rows: list[tuple[Request, int]]
 
 
 class ModelRunner:
@@ -85,6 +88,8 @@ class ModelRunner:
         q_lens: list[int] = []
         seq_lens: list[int] = []
         logits_idx: list[int] = []
+        prompt_idx: list[int] = []
+        prompt_rows: list[tuple[Request, int]] = []
         max_pages = 1
         num_decodes = 0
         for c in batch.chunks:
@@ -100,6 +105,13 @@ class ModelRunner:
                 num_decodes += 1
             if c.sample:
                 logits_idx.append(len(input_ids) - 1)
+            if r.prompt_logprobs is not None:
+                # Positions whose next token is a prompt token not scored yet (a recompute
+                # after preemption scores nothing twice).
+                first = len(input_ids) - c.num_new
+                for p in range(max(start, len(r.prompt_logprobs) - 1), min(end, r.num_prompt - 1)):
+                    prompt_idx.append(first + p - start)
+                    prompt_rows.append((r, p))
             max_pages = max(max_pages, -(-end // ps))
         block_tables = torch.zeros((len(batch.chunks), max_pages), dtype=torch.int32)
         for i, c in enumerate(batch.chunks):
@@ -125,7 +137,8 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=nb),
             positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=nb),
             meta=meta,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=nb),
+            logits_indices=torch.tensor(logits_idx + prompt_idx, dtype=torch.int64).to(dev, non_blocking=nb),
+            prompt_rows=prompt_rows,
         )
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:

@@ -89,6 +89,25 @@ class RawLogprobs:
         return out
 
 
+def record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int]]) -> None:
+    """Score prompt tokens: row j's logits (position p of request r) give the logprob of
+    r's prompt token p + 1, then its params.prompt_logprobs most likely tokens, appended to
+    r.prompt_logprobs (in position order: the runner sends each position once)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    targets = [r.token_ids[p + 1] for r, p in rows]
+    picked = lp[torch.arange(len(rows)), torch.tensor(targets)].tolist()
+    k = max(r.params.prompt_logprobs for r, _ in rows)
+    top = lp.topk(k, dim=-1) if k else None
+    top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    for j, (r, p) in enumerate(rows):
+        assert len(r.prompt_logprobs) == p + 1, "prompt logprobs out of order"
+        kr = r.params.prompt_logprobs
+        entry = {targets[j]: picked[j]}
+        if kr:
+            entry.update(zip(top_ids[j][:kr], top_values[j][:kr]))
+        r.prompt_logprobs.append(entry)
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device

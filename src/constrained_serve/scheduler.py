@@ -115,7 +115,7 @@ class Scheduler:
 
     def _prefix_in_flight(self, r: Request, scheduled: dict[int, ScheduledChunk]) -> bool:
         """Does a prefilling request share r's first uncached page (in-batch prefix sharing)?"""
-        if self.kv.radix is None:
+        if self.kv.radix is None or r.prompt_logprobs is not None:  # it would not reuse the page
             return False
         ps = self.kv.page_size
         start = r.num_computed

@@ -43,8 +43,8 @@ class KVCacheManager:
         instruction rarely ends on a page boundary), the matching leading slots of that page
         are copied into a fresh page of r's own: on the structured benchmark that saves
         computing about 8 tokens per request."""
-        if self.radix is None or r.pages:
-            return
+        if self.radix is None or r.pages or r.prompt_logprobs is not None:
+            return  # (prompt logprobs need the logits of every prompt position: computed here)
         limit = r.num_tokens - 1
         m = self.radix.match_prefix(r.token_ids[:limit])
         n = m.num_tokens
