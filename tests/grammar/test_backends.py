@@ -4,6 +4,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -322,10 +324,14 @@ def test_compile_timeout_is_bounded(tokenizer, backend):
 
 def test_timed_out_spec_is_refused_at_once_on_retry(tokenizer, backend):
     # Each retry of a spec that timed out used to start one more compile thread (which, for
-    # a spec the engine never finishes, spins for ever). Now it is refused without compiling.
+    # a spec the engine never finishes, spins for ever). Now it is refused without compiling
+    # while the abandoned compile runs; once that compile succeeds, the spec is served.
     big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,20}@[a-z]{2,9}"}
                                             for i in range(200)}}
-    mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend=backend, max_workers=1, compile_timeout_s=1e-4)
+    mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend=backend, max_workers=1, compile_timeout_s=0.05)
+    b = mgr.backend(backend)
+    gate, real_compile = threading.Event(), b.compile
+    b.compile = lambda spec: (gate.wait(60), real_compile(spec))[1]  # a compile on a busy machine
     try:
         spec = make_output_spec(schema=big)
         with pytest.raises(GrammarError, match="longer than") as first:
@@ -341,7 +347,16 @@ def test_timed_out_spec_is_refused_at_once_on_retry(tokenizer, backend):
         with pytest.raises(GrammarError, match="longer than"):
             mgr.compile(make_output_spec(schema=big, strict=False))
         assert mgr.stats["misses"] == misses + 1 and mgr.stats["timeouts"] == 2
+        gate.set()  # the abandoned compiles end, late but fine: the spec is usable again
+        deadline = time.monotonic() + 60
+        while mgr.abandoned_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mgr.abandoned_running() == 0
+        hits = mgr.stats["hits"]
+        assert mgr.compile_async(spec).result(timeout=0).backend == backend  # from the cache
+        assert mgr.stats["hits"] == hits + 1 and mgr.stats["misses"] == misses + 1
     finally:
+        gate.set()
         mgr.close()
 
 

@@ -78,8 +78,10 @@ class GrammarManager:
         self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
         # One in-flight future per key, so concurrent requests for one spec compile it once.
         self._pending: dict[CacheKey, cf.Future] = {}
-        # Specs whose compile timed out, keyed like the cache. The refusal stands even if the
-        # abandoned compile ends later: the same spec gets the same answer whenever it comes.
+        # Specs whose compile timed out and still runs, keyed like the cache: a retry is refused
+        # at once rather than starting one more thread on it. When the abandoned compile ends,
+        # the entry goes; a compile that succeeded late serves the spec from the cache (a slow
+        # compile on a busy machine must not make a good spec unusable for good).
         self._timed_out: collections.OrderedDict[CacheKey, _TimedOut] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
@@ -168,11 +170,13 @@ class GrammarManager:
                     outcome = e
                 with self._lock:
                     box["done"] = outcome
-                    late = key in self._timed_out
+                    late = self._timed_out.pop(key, None) is not None
+                    if late and not isinstance(outcome, BaseException):
+                        self._cache_put(key, outcome)
                 if late:
-                    logger.info("abandoned %s compile of a %s spec ended after %.1f s (%s); the spec "
-                                "stays refused", name, spec.kind, time.monotonic() - t0,
-                                "failed" if isinstance(outcome, BaseException) else "compiled")
+                    logger.info("abandoned %s compile of a %s spec ended after %.1f s (%s)", name, spec.kind,
+                                time.monotonic() - t0, "failed: a retry compiles it again"
+                                if isinstance(outcome, BaseException) else "compiled: now cached")
 
             t = threading.Thread(target=work, name=f"grammar-compile-{name}", daemon=True)
             t.start()
@@ -192,30 +196,28 @@ class GrammarManager:
                                    backend=name, reason=str(outcome)) from outcome
             compiled: CompiledGrammar = outcome
             with self._lock:
-                self.stats["compiles"] += 1
-                self._cache[key] = compiled
-                self._cache.move_to_end(key)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+                self._cache_put(key, compiled)
             return compiled
         finally:
             with self._lock:
                 self._pending.pop(key, None)
+
+    def _cache_put(self, key: CacheKey, compiled: CompiledGrammar) -> None:
+        """Cache a finished compile, least recently used out first (caller holds the lock)."""
+        self.stats["compiles"] += 1
+        self._cache[key] = compiled
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
 
     def _remember_timeout(self, key: CacheKey, spec: OutputSpec, name: str,
                           thread: threading.Thread) -> _TimedOut:
         """Record an abandoned compile (caller holds ``self._lock``)."""
         error = GrammarError(f"{name}: compiling the {spec.kind} spec took longer than "
                              f"{self.compile_timeout_s:g} s (abandoned; a retry of this spec is "
-                             f"refused at once)", backend=name, reason="timeout")
+                             f"refused at once while that compile still runs)", backend=name, reason="timeout")
         entry = self._timed_out[key] = _TimedOut(error, thread)
         self.stats["timeouts"] += 1
-        # Bounded like the cache, but an entry whose thread still runs stays: forgetting it
-        # would let the next retry start a second thread on the same spec.
-        excess = len(self._timed_out) - self.cache_size
-        if excess > 0:
-            for k in [k for k, v in self._timed_out.items() if not v.thread.is_alive()][:excess]:
-                del self._timed_out[k]
         return entry
 
     def abandoned_running(self) -> int:
