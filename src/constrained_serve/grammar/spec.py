@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
+import time
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 from urllib.parse import unquote
 
 from ..errors import GrammarError, OutputValidationError
@@ -280,9 +282,8 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
         if refusal is not None:
             raise OutputValidationError(
                 f"the output does not parse with the lark package's reading of the grammar ({refusal}); "
-                f"the grammar backend read a terminal differently (a regex alternation such as /a|ab/, "
-                f"where lark takes the first alternative that matches, or a terminal that swallows "
-                f"what follows it); nothing was repaired", None)
+                f"the grammar backend let a terminal stop short of what lark's greedy lexer takes (a "
+                f"terminal that can swallow what follows it, see the README); nothing was repaired", None)
     elif spec.kind == "json_schema":
         validator = _schema_validator(spec.text)
         error = None
@@ -298,19 +299,49 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
                 f"backend approximated the schema); nothing was repaired", value)
 
 
-# lark's Earley parser is cubic on ambiguous grammars (a 400-character "1+1+...+1" takes 8 s
-# with expr: expr OP expr | NUMBER): past this length only the linear LALR parse is tried.
-LARK_EARLEY_MAX_CHARS = 256
+# lark's Earley parser is cubic, or worse, on ambiguous grammars (e: e e | A | b, b: A took
+# 0.3 s on 64 characters and grows as n^3.5): past this it gives up and the output is left
+# unchecked. LALR (linear) goes first and vouches for most outputs on its own.
+LARK_EARLEY_TIMEOUT_S = 0.25
+
+
+class _Deadline(BaseException):
+    """Raised inside a lark parse that ran out of time (BaseException: lark's own
+    ``except Exception`` clauses must not swallow it)."""
+
+
+def _call_with_deadline(fn: Callable[[], Any], seconds: float) -> Any:
+    """``fn()``, interrupted with ``_Deadline`` once it runs past ``seconds``. For pure Python
+    code (lark): a trace function, on this thread only, checks the clock at each function
+    call; one already installed (a debugger, coverage) is chained, then restored."""
+    deadline = time.perf_counter() + seconds
+    previous = sys.gettrace()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if time.perf_counter() > deadline:
+            raise _Deadline
+        return previous(frame, event, arg) if previous is not None else None
+
+    sys.settrace(tracer)
+    try:
+        return fn()
+    finally:
+        sys.settrace(previous)
 
 
 def _lark_refusal(grammar: str, text: str) -> str | None:
     """Why the ``lark`` package refuses ``text`` for ``grammar``; None when it parses, or when
-    lark cannot tell (not installed, cannot read the grammar: llguidance extensions, Rust-only
-    regex syntax; or a long text that only the Earley parser could vouch for).
+    lark cannot tell (not installed, cannot read the grammar: llguidance extensions; or an
+    Earley parse past ``LARK_EARLEY_TIMEOUT_S``).
+
+    The terminals are read as both backends read them: as regular languages whose longest
+    match wins (lark's ``regex=True`` with POSIX leftmost-longest matching). Plain lark, on
+    Python's ``re``, takes the first alternative that matches: it lexes "3.14" for
+    ``NUMBER: /[0-9]+|[0-9]+[.][0-9]+/`` as "3" and refuses it, though the grammar says yes.
 
     LALR first, as it is linear; it accepts or cannot decide: lark resolves shift/reduce
     conflicts silently, so its LALR parser refuses some texts the grammar admits. A refusal
-    is lark's default (Earley) parser's, as ``lark.Lark(grammar).parse`` would give it."""
+    is lark's Earley parser's."""
     lalr, earley = _lark_parsers(grammar)
     if lalr is None and earley is None:
         return None
@@ -324,11 +355,14 @@ def _lark_refusal(grammar: str, text: str) -> str | None:
             pass
         except RecursionError:  # a deeply nested text
             logger.debug("lark's LALR parser could not check an output", exc_info=True)
-    if earley is None or len(text) > LARK_EARLEY_MAX_CHARS:
-        logger.debug("a Lark output of %d characters is left unchecked", len(text))
+    if earley is None:
         return None
     try:
-        earley.parse(text)
+        _call_with_deadline(lambda: earley.parse(text), LARK_EARLEY_TIMEOUT_S)
+        return None
+    except _Deadline:
+        logger.debug("lark's Earley parser ran past %.2f s on a %d-character output: left unchecked",
+                     LARK_EARLEY_TIMEOUT_S, len(text))
         return None
     except lark.exceptions.UnexpectedInput as e:
         # lark's first line says what and where; "Expected one of:" lists on the lines after
@@ -344,17 +378,18 @@ def _lark_parsers(grammar: str) -> tuple[Any, Any]:
     """``(lalr, earley)`` parsers of ``grammar``, each None where lark cannot build it."""
     try:
         import lark
+        import regex
     except ImportError:
         logger.debug("the lark package is not installed: Lark outputs are not re-checked")
         return None, None
     parsers = []
     for parser in ("lalr", "earley"):
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                built = lark.Lark(grammar, parser=parser)
-            # A regex Python reads otherwise ("possible nested set" in [[:alpha:]]): no check.
-            parsers.append(None if caught else built)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                # The regex package, leftmost-longest: terminals as the backends read them
+                # (and [[:alpha:]] as a POSIX class, as Rust's regex reads it).
+                parsers.append(lark.Lark(grammar, parser=parser, regex=True, g_regex_flags=regex.POSIX))
         except Exception:  # noqa: BLE001 - a grammar lark cannot read: the backend's word stands
             logger.debug("lark cannot build a %s parser for a grammar", parser, exc_info=True)
             parsers.append(None)
