@@ -241,3 +241,30 @@ def test_a_lone_surrogate_escape_parses_into_the_type(manager):
     with pytest.raises(OutputValidationError) as refused:
         parse_output(spec, '{"when":"soon","text":"\\ud800"}')
     assert refused.value.value == {"when": "soon", "text": "\ud800"}
+
+
+def test_the_lark_deadline_only_cuts_the_code_it_bounds():
+    """The deadline is checked at calls of functions under the bounded folder only: a
+    finalizer or collector callback that runs meanwhile (elsewhere) is never cut short."""
+    import os
+    import time as clock
+
+    from constrained_serve.grammar.spec import _call_with_deadline, _Deadline
+
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    calls_elsewhere = []
+
+    def bounded_work():
+        end = clock.perf_counter() + 0.05
+        while clock.perf_counter() < end:
+            pass
+        calls_elsewhere.append(json.dumps([1]))  # json is not under ``here``: not cut
+        _inner()  # defined here: cut
+
+    def _inner():
+        raise AssertionError("reached past the deadline")
+
+    with pytest.raises(_Deadline):
+        _call_with_deadline(bounded_work, 0.01, here)
+    assert calls_elsewhere == ["[1]"]
+    assert _call_with_deadline(lambda: 7, 1.0, here) == 7

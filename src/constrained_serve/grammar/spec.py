@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -310,15 +311,18 @@ class _Deadline(BaseException):
     ``except Exception`` clauses must not swallow it)."""
 
 
-def _call_with_deadline(fn: Callable[[], Any], seconds: float) -> Any:
+def _call_with_deadline(fn: Callable[[], Any], seconds: float, code_under: str) -> Any:
     """``fn()``, interrupted with ``_Deadline`` once it runs past ``seconds``. For pure Python
-    code (lark): a trace function, on this thread only, checks the clock at each function
-    call; one already installed (a debugger, coverage) is chained, then restored."""
+    code (lark): a trace function, on this thread only, checks the clock at each call of a
+    function defined under the folder ``code_under``. Only there: a garbage-collector
+    callback or finalizer that runs meanwhile must not be cut short (its exception would be
+    swallowed, and the trace function dropped). One already installed (a debugger,
+    coverage) is chained, then restored."""
     deadline = time.perf_counter() + seconds
     previous = sys.gettrace()
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline and frame.f_code.co_filename.startswith(code_under):
             raise _Deadline
         return previous(frame, event, arg) if previous is not None else None
 
@@ -358,7 +362,8 @@ def _lark_refusal(grammar: str, text: str) -> str | None:
     if earley is None:
         return None
     try:
-        _call_with_deadline(lambda: earley.parse(text), LARK_EARLEY_TIMEOUT_S)
+        _call_with_deadline(lambda: earley.parse(text), LARK_EARLEY_TIMEOUT_S,
+                            os.path.dirname(lark.__file__) + os.sep)
         return None
     except _Deadline:
         logger.debug("lark's Earley parser ran past %.2f s on a %d-character output: left unchecked",
