@@ -45,6 +45,23 @@ def test_generate_iter_streams_in_order(tiny_engine_factory):
     assert not eng.core.scheduler.has_work()
 
 
+def test_generate_iter_bounds_requests_not_prompts(tiny_engine_factory):
+    """max_in_flight counts requests: a prompt sampled n times weighs n (it counted one, so
+    n=256 let 65,536 requests queue at the default bound)."""
+    eng = tiny_engine_factory()
+    seen = []
+    add = eng.core.add
+
+    def counting_add(r):
+        add(r)
+        seen.append(len(eng.core.scheduler.unfinished))
+
+    eng.core.add = counting_add
+    p = SamplingParams(max_tokens=2, ignore_eos=True, n=3, temperature=1.0)
+    out = list(eng.generate_iter((f"item {i}" for i in range(10)), p, max_in_flight=6))
+    assert [len(r.samples) for r in out] == [3] * 10 and max(seen) <= 6
+
+
 def test_module_level_generate_returns_one_or_many(monkeypatch, tiny_engine_factory):
     eng = tiny_engine_factory()
     monkeypatch.setattr(constrained_serve, "_default_engine", eng)

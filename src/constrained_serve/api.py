@@ -299,6 +299,8 @@ class Engine:
                       max_in_flight: int = 256, progress: bool = False, raise_on_error: bool = False,
                       **spec_kwargs: Any) -> Iterator[Result]:
         """Stream over a long iterable: continuous batching across items, results in input order.
+        At most ``max_in_flight`` requests are submitted ahead (a prompt with ``n`` samples
+        counts ``n``), so memory stays bounded however long the iterable.
 
         Per-item problems (too long, bad per-item input) come back as error Results."""
         return self._iter(prompts, params, chat, progress, raise_on_error, spec_kwargs, single=False,
@@ -326,11 +328,12 @@ class Engine:
             bar = tqdm(total=total, desc="generate", unit="req")
         pending: deque[tuple[int, Any, Request | Result]] = deque()
         limit = max_in_flight or (1 << 62)
+        in_flight = 0  # entries not handed back, weighed in requests: n for a prompt sampled n times
         it = iter(enumerate(items))
         exhausted = False
         try:
             while True:
-                while not exhausted and len(pending) < limit:
+                while not exhausted and in_flight < limit:
                     nxt = next(it, None)
                     if nxt is None:
                         exhausted = True
@@ -345,14 +348,17 @@ class Engine:
                         if single or raise_on_error:
                             raise
                         pending.append((i, item, self._error_result(i, e, item)))
+                        in_flight += 1
                         continue
                     with self._core_lock:
                         for r in group:
                             self.core.add(r)
                     pending.append((i, item, group if len(group) > 1 else group[0]))
+                    in_flight += len(group)
                 # Yield finished heads in order, then step.
                 while pending and _done(pending[0][2]):
                     i, item, x = pending.popleft()
+                    in_flight -= max(1, len(_requests(x)))
                     res = (x if isinstance(x, Result) else self._samples_result(x, item, raise_on_error)
                            if isinstance(x, list) else self._result(x, item, raise_on_error))
                     if bar is not None:
