@@ -20,6 +20,7 @@ from ..detokenizer import encode_continuation
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
+from .finite_output import rules_without_finite_text
 from .gbnf import gbnf_for_backend
 from .xgrammar_gaps import unsupported_schema_features, xgrammar_regex
 
@@ -166,6 +167,7 @@ class XGrammarBackend(GrammarBackend):
                 if warnings:
                     logger.warning("xgrammar approximates regex spec %r: %s", spec.text, "; ".join(warnings))
             handle = self._compile(spec, regex)
+            self._check_finite(spec, handle)
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its own message
@@ -192,6 +194,18 @@ class XGrammarBackend(GrammarBackend):
             items = json.loads(spec.text)
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(x, ensure_ascii=False) for x in items))
         raise GrammarError(f"xgrammar: unsupported output kind {spec.kind!r}", backend=self.name)
+
+    def _check_finite(self, spec: OutputSpec, handle: xgr.CompiledGrammar) -> None:
+        """Refuse rules that can never end (see finite_output.py): on them xgrammar's
+        jump-forward search never returns and eats memory, taking the engine down."""
+        stuck = rules_without_finite_text(str(handle.grammar))
+        if not stuck:
+            return
+        if stuck[0] == "root":
+            raise self._error(spec, "the spec matches no finite text (it can never be complete)",
+                              prefix="refuses")
+        raise self._error(spec, f"rule(s) {', '.join(stuck[:5])} of its grammar can never end: an output "
+                                f"that entered one could never be complete", prefix="refuses")
 
     def _error(self, spec: OutputSpec, reason: str, prefix: str = "cannot compile") -> GrammarError:
         snippet = spec.text if len(spec.text) <= 200 else spec.text[:200] + "..."
