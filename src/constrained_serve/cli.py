@@ -57,6 +57,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help="seed for sampling with temperature > 0 (per-row reproducible)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
                    help="> 1 discourages repeating prompt or output tokens (default 1: off)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (default 0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens below P times the top probability (default 0: off)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the output before TEXT (repeatable; not in the output)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +158,8 @@ def _sampling(args: argparse.Namespace) -> Any:
 
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                              repetition_penalty=args.repetition_penalty)
+                              repetition_penalty=args.repetition_penalty, top_p=args.top_p,
+                              top_k=args.top_k, min_p=args.min_p, stop=args.stop)
     except ValueError as e:
         raise SetupError(str(e)) from None
 

@@ -77,6 +77,24 @@ def test_generate_exits_2_for_a_prompt_it_cannot_take(tiny_engine_factory, capsy
     assert "stopped at --max-tokens" in capsys.readouterr().err
 
 
+def test_sampling_flags_reach_the_params(tiny_engine_factory, capsys) -> None:
+    """--top-p/--top-k/--min-p/--stop mean what SamplingParams' fields mean."""
+    from constrained_serve import SamplingParams
+
+    eng = tiny_engine_factory()
+    flags = ["--max-tokens", "24", "--temperature", "1", "--seed", "3", "--top-p", "0.9", "--top-k", "40",
+             "--min-p", "0.01"]
+    p = SamplingParams(max_tokens=24, temperature=1.0, seed=3, top_p=0.9, top_k=40, min_p=0.01)
+    ref = eng.generate("a b c", p)[0].text
+    assert main(["generate", "a b c", "--raw", *flags], engine=eng) == 0
+    assert capsys.readouterr().out == ref + "\n"
+    stop = ref[len(ref) // 2:len(ref) // 2 + 2]
+    assert main(["generate", "a b c", "--raw", *flags, "--stop", stop, "--stop", "\x00"], engine=eng) == 0
+    assert capsys.readouterr().out == ref[:ref.index(stop)] + "\n"
+    assert main(["generate", "a b c", "--raw", "--top-p", "0"], engine=eng) == 2
+    assert "top_p must be" in capsys.readouterr().err
+
+
 def test_template_escapes_are_read_as_newline_and_tab() -> None:
     from constrained_serve.cli import _unescape
 
