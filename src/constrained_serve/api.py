@@ -5,7 +5,6 @@ It turns user inputs (strings, message lists, output specs) into ``Request`` obj
 """
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import random
@@ -20,12 +19,13 @@ from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
 from .engine import EngineCore
-from .errors import GrammarError, OutputError, OutputValidationError, PromptTooLongError
+from . import outputs
+from .errors import GrammarError, OutputError, PromptTooLongError
 from .models import loader
 from .models.llama import sliding_window_of
 from .params import OutputSpec, SamplingParams
 from .request import Request
-from .result import Result, Usage
+from .result import Result
 from .runner import ModelRunner
 from .sampler import step_seed
 from .scheduler import Scheduler
@@ -194,65 +194,12 @@ class Engine:
         return r
 
     # ------------------------------------------------------------------ outputs
-    def _samples_result(self, group: list[Request], prompt: Any, raise_on_error: bool) -> Result:
-        """The Result of a prompt sampled n times: the first sample's fields, all n in
-        ``samples``, and usage summed over them (the prompt counted once)."""
-        samples = [self._result(r, prompt, raise_on_error) for r in group]
-        res = copy.copy(samples[0])
-        res.samples = samples
-        res.usage = Usage(prompt_tokens=samples[0].usage.prompt_tokens,
-                          cached_tokens=samples[0].usage.cached_tokens,
-                          completion_tokens=sum(s.usage.completion_tokens for s in samples),
-                          forced_tokens=sum(s.usage.forced_tokens for s in samples))
-        return res
-
-    def _result(self, r: Request, prompt: Any = None, raise_on_error: bool = False) -> Result:
-        r.detok.flush()
-        text = r.visible_text(final=True)
-        res = Result(text=text, token_ids=r.output_ids, finish_reason=r.finish_reason or "abort",
-                     usage=Usage(prompt_tokens=r.num_prompt, cached_tokens=r.num_cached,
-                                 completion_tokens=r.num_output, forced_tokens=r.num_forced),
-                     error=r.error, error_type=r.error_type, index=r.index, prompt=prompt,
-                     stop_reason=r.stop_reason, logprobs=r.logprobs, prompt_logprobs=r.prompt_logprobs)
-        refused: OutputValidationError | None = None
-        if r.spec is not None and res.error is None:
-            if res.finish_reason == "length":
-                res.error_type = "truncated"
-                limit = (f"max_tokens={r.params.max_tokens}" if r.num_output >= r.params.max_tokens else
-                         f"the model's context length ({self.max_model_len} tokens, prompt included)")
-                if r.matcher is not None and r.matcher.can_end():  # e.g. "[a-z ]+": could go on
-                    res.error = (f"output truncated at {limit}: the text is a complete {r.spec.kind} "
-                                 f"match but may be cut short; nothing was repaired")
-                else:
-                    res.error = f"output truncated at {limit} before the {r.spec.kind} was complete; nothing was repaired"
-            elif (res.finish_reason == "stop" and r.stop_reason is not None and r.compiled is not None
-                  and not self.grammar.matches(r.compiled, text)):
-                what = "stop string" if isinstance(r.stop_reason, str) else "stop token"
-                res.error_type = "truncated"
-                res.error = (f"output cut by {what} {r.stop_reason!r} before the {r.spec.kind} "
-                             f"was complete; nothing was repaired")
-            elif res.finish_reason == "stop":
-                from .grammar.spec import parse_output
-
-                try:
-                    res.json, res.parsed = parse_output(r.spec, text)
-                except OutputValidationError as e:  # valid JSON that the Pydantic type refuses
-                    res.json, res.error, res.error_type = e.value, str(e), type(e).__name__
-                    refused = e
-                except Exception as e:  # noqa: BLE001 - reported on the result, not raised mid-batch
-                    res.error, res.error_type = f"output does not parse: {e}", type(e).__name__
-        if raise_on_error and res.error is not None:
-            message = f"request {r.index}: {res.error}"
-            if res.error_type == "OutputValidationError":  # catchable with its value (a retry loop)
-                raise OutputValidationError(message, res.json) from (refused.__cause__ if refused else None)
-            if res.error_type == "GrammarError":
-                raise GrammarError(message, backend=r.matcher.backend_name if r.matcher is not None else None)
-            raise OutputError(message)
-        return res
-
-    def _error_result(self, index: int, e: Exception, prompt: Any = None) -> Result:
-        return Result(text="", token_ids=[], finish_reason="abort", error=str(e), error_type=type(e).__name__,
-                      index=index, prompt=prompt)
+    def _hand_back(self, x: Request | list[Request] | Result, prompt: Any, raise_on_error: bool) -> Result:
+        """The Result of a pending entry that is done (see outputs.py)."""
+        if isinstance(x, Result):
+            return x
+        group = x if isinstance(x, list) else [x]
+        return outputs.result_of(group, prompt, raise_on_error, self._grammar, self.max_model_len)
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -347,7 +294,7 @@ class Engine:
                     except (ValueError, TypeError) as e:
                         if single or raise_on_error:
                             raise
-                        pending.append((i, item, self._error_result(i, e, item)))
+                        pending.append((i, item, outputs.error_result(i, e, item)))
                         in_flight += 1
                         continue
                     with self._core_lock:
@@ -359,8 +306,7 @@ class Engine:
                 while pending and _done(pending[0][2]):
                     i, item, x = pending.popleft()
                     in_flight -= max(1, len(_requests(x)))
-                    res = (x if isinstance(x, Result) else self._samples_result(x, item, raise_on_error)
-                           if isinstance(x, list) else self._result(x, item, raise_on_error))
+                    res = self._hand_back(x, item, raise_on_error)
                     if bar is not None:
                         bar.update(1)
                     yield res
