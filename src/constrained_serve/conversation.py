@@ -43,6 +43,10 @@ class HistoryPin:
     node: Any = None
     pages: list[int] = field(default_factory=list)
 
+    def forget(self) -> None:
+        """Hold nothing, giving nothing back (released, or the whole KV cache was reset)."""
+        self.node, self.pages = None, []
+
 
 class Conversation:
     def __init__(self, engine: "Engine", system: str | None = None, params: SamplingParams | None = None) -> None:
@@ -142,11 +146,6 @@ class Conversation:
         """Make the cached history evictable again (the engine calls this when out of pages)."""
         with self.engine._core_lock:
             self.engine.core.release_pin(self._pin)
-
-    def forget_pages(self) -> None:
-        """Drop the pin without giving anything back: the engine is resetting the whole KV
-        cache (a step cut short by a second Ctrl-C). The next turn recomputes the history."""
-        self._pin.node, self._pin.pages = None, []
 
     def close(self) -> None:
         # closed is set under the lock _pin_history takes: no re-pin after

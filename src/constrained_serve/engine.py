@@ -67,7 +67,7 @@ class EngineCore:
             if pin.node is not None:
                 self.kv.radix.unlock(pin.node)
                 self.kv.pool.decref(pin.pages)
-            pin.node, pin.pages = None, []
+            pin.forget()
 
     def _release_orphaned_pins(self) -> None:
         while self.orphaned_pins:
@@ -188,10 +188,9 @@ class EngineCore:
         for r in self.scheduler.drop_all():
             r.finish_reason, r.error, r.error_type = "abort", why, "KeyboardInterrupt"
             self.finished_queue.append(r)
-        for c in self.page_holders:
-            c.forget_pages()
-        for pin in self.orphaned_pins:
-            pin.node, pin.pages = None, []
+        # The conversations keep their history; their next turn recomputes its KV.
+        for pin in [c._pin for c in self.page_holders] + self.orphaned_pins:
+            pin.forget()
         self.orphaned_pins.clear()
         self.kv.reset()
         logger.warning("%s: every unfinished request failed, the KV cache was cleared", why)
