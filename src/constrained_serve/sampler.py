@@ -56,36 +56,40 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         logits[row, tok] -= (pres + freq * counts).to(logits.dtype)
 
 
+def logprob_entries(lp: torch.Tensor, targets: list[int], ks: list[int]) -> list[dict[int, float]]:
+    """Per row of log-probabilities ``lp``: {its target token: logprob, then the row's k most
+    likely tokens: theirs}, k from ``ks``."""
+    picked = lp[torch.arange(len(targets)), torch.tensor(targets)].tolist()
+    top_values: list[list[float]] = [[] for _ in targets]
+    top_ids: list[list[int]] = [[] for _ in targets]
+    if max(ks):
+        values, ids = lp.topk(max(ks), dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [{t: v, **dict(zip(top_ids[j][:k], top_values[j][:k]))}
+            for j, (t, v, k) in enumerate(zip(targets, picked, ks))]
+
+
 @dataclass
 class RawLogprobs:
     """log_softmax of the raw logits of the rows whose request asked for logprobs, kept
     until the step's tokens are known."""
     rows: list[int]  # batch rows that asked
     logprobs: torch.Tensor  # [len(rows), V] fp32
-    top_ids: list[list[int]]  # per asking row, its k most likely tokens (k = its params.logprobs)
-    top_values: list[list[float]]
+    ks: list[int]  # per asking row, how many most likely tokens it wants (params.logprobs)
 
     @classmethod
     def of(cls, logits: torch.Tensor, requests: list[Request]) -> "RawLogprobs | None":
         rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if not rows:
             return None
-        ks = [requests[i].params.logprobs for i in rows]
         lp = torch.log_softmax(logits[rows].float(), dim=-1)
-        top_ids: list[list[int]] = [[] for _ in rows]
-        top_values: list[list[float]] = [[] for _ in rows]
-        if max(ks):
-            values, ids = lp.topk(max(ks), dim=-1)
-            for j, (k, v, t) in enumerate(zip(ks, values.tolist(), ids.tolist())):
-                top_ids[j], top_values[j] = t[:k], v[:k]
-        return cls(rows, lp, top_ids, top_values)
+        return cls(rows, lp, [requests[i].params.logprobs for i in rows])
 
     def for_tokens(self, tokens: list[int], num_rows: int) -> list[dict[int, float] | None]:
         """Per batch row: {sampled token: logprob, then the top-k}; None for rows that did not ask."""
-        picked = self.logprobs[torch.arange(len(self.rows)), torch.tensor([tokens[i] for i in self.rows])]
         out: list[dict[int, float] | None] = [None] * num_rows
-        for j, (i, value) in enumerate(zip(self.rows, picked.tolist())):
-            out[i] = {tokens[i]: value, **dict(zip(self.top_ids[j], self.top_values[j]))}
+        for i, entry in zip(self.rows, logprob_entries(self.logprobs, [tokens[i] for i in self.rows], self.ks)):
+            out[i] = entry
         return out
 
 
@@ -94,17 +98,9 @@ def record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int]]
     r's prompt token p + 1, then its params.prompt_logprobs most likely tokens, appended to
     r.prompt_logprobs (in position order: the runner sends each position once)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    targets = [r.token_ids[p + 1] for r, p in rows]
-    picked = lp[torch.arange(len(rows)), torch.tensor(targets)].tolist()
-    k = max(r.params.prompt_logprobs for r, _ in rows)
-    top = lp.topk(k, dim=-1) if k else None
-    top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
-    for j, (r, p) in enumerate(rows):
+    entries = logprob_entries(lp, [r.token_ids[p + 1] for r, p in rows], [r.params.prompt_logprobs for r, _ in rows])
+    for (r, p), entry in zip(rows, entries):
         assert len(r.prompt_logprobs) == p + 1, "prompt logprobs out of order"
-        kr = r.params.prompt_logprobs
-        entry = {targets[j]: picked[j]}
-        if kr:
-            entry.update(zip(top_ids[j][:kr], top_values[j][:kr]))
         r.prompt_logprobs.append(entry)
 
 
