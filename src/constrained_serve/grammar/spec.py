@@ -264,10 +264,10 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
     the user reads it (xgrammar and llguidance read some regex classes differently from
     Python's ``re``; a backend may drop a schema keyword no check of ours knew about). Under
     ``strict=True`` a finished regex output must ``re.fullmatch``, a JSON Schema output
-    must validate with ``jsonschema`` and a Lark output must parse with ``lark`` (see
-    ``_lark_refusal``: both backends read a Lark terminal as a regular language where the
-    ``lark`` package takes Python's first matching alternative); otherwise it is reported,
-    never passed as valid. (``strict=False`` accepted the approximation; Pydantic types are checked by Pydantic.)
+    must validate with ``jsonschema`` and a Lark output must parse with ``lark``, its terminals
+    read longest-match as the backends read them (see ``_lark_refusal``); otherwise it is
+    reported, never passed as valid. (``strict=False`` accepted the approximation; Pydantic
+    types are checked by Pydantic.)
     Patterns are matched with a time bound, through ``regex_check``: ``re`` backtracks
     exponentially on some pattern and text pairs, and a text that does not match is exactly
     what this check meets. A match past the bound leaves the output unchecked (a warning)."""

@@ -174,8 +174,8 @@ class XGrammarBackend(GrammarBackend):
             raise self._error(spec, str(e).strip()) from e
         return CompiledGrammar(self.name, spec, handle, time.perf_counter() - t0, warnings)
 
-    def _compile(self, spec: OutputSpec, regex: str | None = None) -> xgr.CompiledGrammar:
-        """``regex``: a regex spec's pattern as ``xgrammar_regex`` rewrote it."""
+    def _compile(self, spec: OutputSpec, regex: str | None) -> xgr.CompiledGrammar:
+        """``regex``: a regex spec's pattern as ``xgrammar_regex`` rewrote it (None otherwise)."""
         c = self._compiler
         if spec.is_json:
             return c.compile_json_schema(
@@ -185,7 +185,7 @@ class XGrammarBackend(GrammarBackend):
                 # we keep JSON Schema semantics, the same as llguidance.
                 strict_mode=False)
         if spec.kind == "regex":
-            return c.compile_regex(xgrammar_regex(spec.text) if regex is None else regex)
+            return c.compile_regex(regex)
         if spec.kind == "lark":
             return c.compile_lark(spec.text)
         if spec.kind == "ebnf":
