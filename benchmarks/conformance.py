@@ -146,6 +146,7 @@ def serialize(value: Any, schema: Any) -> str:
 
 # -- evaluation --------------------------------------------------------------------------
 def evaluate(manager: Any, backend: str, files: list[Path], tokenizer: Any) -> dict[str, dict]:
+    from constrained_serve.errors import GrammarError
     from constrained_serve.grammar import make_output_spec
 
     results: dict[str, dict] = {}
@@ -168,8 +169,13 @@ def evaluate(manager: Any, backend: str, files: list[Path], tokenizer: Any) -> d
             for t in tests:
                 text = serialize(t["data"], doc["schema"])
                 ids = tokenizer.encode(text, add_special_tokens=False)
-                m = manager.new_matcher(compiled)
-                ok = m.accept_tokens(ids) and m.can_end()
+                # Compiled again (a cache hit) per instance: a matcher that broke its grammar
+                # (llguidance's lexer limit) evicts it, and the next instance gets a fresh one.
+                m = manager.new_matcher(manager.compile(spec, backend))
+                try:
+                    ok = m.accept_tokens(ids) and m.can_end()
+                except GrammarError:  # the backend failed on this instance
+                    ok = False
                 if t["valid"]:
                     r["valid_accepted"] += int(ok)
                 else:
@@ -215,7 +221,7 @@ def _run_backend(args: tuple[str, int | None]) -> tuple[str, dict, float]:
 
     tok = load_default_tokenizer()
     manager = GrammarManager(tok, len(tok), default_backend=backend, max_workers=1, cache_size=8)
-    manager.backend(backend)
+    manager.warm_up(backend).result()
     t0 = time.perf_counter()
     res = evaluate(manager, backend, schema_files(limit), tok)
     manager.close()

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .api import Engine
 from .errors import GrammarError, OutputError, OutputValidationError, PromptTooLongError
 from .params import OutputSpec, SamplingParams
 from .result import Result, Usage
@@ -20,7 +19,22 @@ from .result import Result, Usage
 __all__ = ["Engine", "GrammarError", "OutputError", "OutputValidationError", "PromptTooLongError", "OutputSpec",
            "Result", "SamplingParams", "Usage", "generate", "default_engine", "__version__"]
 
-_default_engine: Engine | None = None
+if TYPE_CHECKING:
+    from .api import Engine
+
+
+def __getattr__(name: str) -> Any:
+    # Engine (torch, transformers, the model code) is imported on first use, so the grammar
+    # worker processes, which import this package, start in a fraction of a second.
+    if name == "Engine":
+        from .api import Engine
+
+        globals()["Engine"] = Engine
+        return Engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_default_engine: "Engine | None" = None
 _default_lock = threading.Lock()
 
 
@@ -29,6 +43,8 @@ def default_engine() -> Engine:
     global _default_engine
     with _default_lock:
         if _default_engine is None:
+            from .api import Engine
+
             _default_engine = Engine()
         return _default_engine
 

@@ -124,10 +124,14 @@ class Engine:
                 if self._grammar is None:
                     from .grammar.manager import GrammarManager
 
-                    grammar = GrammarManager(self.tokenizer, self.vocab_size,
-                                             default_backend=self.config.grammar_backend,
+                    cfg = self.config
+                    grammar = GrammarManager(self.tokenizer, self.vocab_size, default_backend=cfg.grammar_backend,
                                              eos_token_ids=sorted(self.core.eos_token_ids),
-                                             mask_threads=1 if self.device.type == "cpu" else None)
+                                             mask_threads=1 if self.device.type == "cpu" else None,
+                                             compile_timeout_s=cfg.grammar_compile_timeout_s,
+                                             mask_timeout_s=cfg.grammar_mask_timeout_s,
+                                             isolation=cfg.grammar_isolation, max_rows=cfg.max_num_seqs)
+                    grammar.warm_up()  # its workers start while the first spec compiles
                     self.core.grammar = grammar
                     self._grammar = grammar  # published last: other threads see it complete
         return self._grammar
@@ -190,7 +194,7 @@ class Engine:
         if params.prompt_logprobs is not None and sample == 0:  # the samples share one prompt
             r.prompt_logprobs = [None]
         if spec is not None:
-            r.grammar_future = self.grammar.compile_async(spec, backend)
+            r.grammar_future = self.grammar.compile_async(spec, backend, params.compile_timeout_s)
         return r
 
     # ------------------------------------------------------------------ outputs
@@ -267,7 +271,10 @@ class Engine:
         if not per_prompt:
             shared_spec = self.make_spec(**spec_args)  # a bad shared spec raises here
             if shared_spec is not None:
-                self.grammar.compile(shared_spec, backend)  # ... and fails before any model work
+                # ... and fails before any model work (under the longest compile deadline asked for)
+                timeouts = [p.compile_timeout_s for p in ([params] if not isinstance(params, (list, tuple))
+                                                          else params) if p is not None]
+                self.grammar.compile(shared_spec, backend, max(timeouts) if all(timeouts) and timeouts else None)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -376,7 +383,7 @@ class Engine:
         backend, spec_args = self._spec_args(spec_kwargs)
         spec = self.make_spec(**spec_args)
         if spec is not None:
-            self.grammar.compile(spec, backend)
+            self.grammar.compile(spec, backend, params.compile_timeout_s)
         ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
         return self._stream(self._new_request(ids, params, spec, 0, backend))
 

@@ -29,6 +29,11 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" | "dummy" (random weights in the model's shapes)
     seed: int = 0  # draws the seeds of requests that give none
     conversation_lock_fraction: float = 0.5  # share of the pool open conversations may pin
+    # Grammar work runs in worker processes that are killed when it overruns these deadlines
+    # (SamplingParams can set them per request); "inline" runs it in this process, unbounded.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_mask_timeout_s: float = 0.5
+    grammar_isolation: str = "process"  # "process" | "inline"
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -55,6 +60,11 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), got {self.max_model_len}")
+        for name in ("grammar_compile_timeout_s", "grammar_mask_timeout_s"):
+            if not (isinstance(getattr(self, name), (int, float)) and 0 < getattr(self, name) <= 3600):
+                raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {getattr(self, name)!r}")
+        if self.grammar_isolation not in ("process", "inline"):
+            raise ValueError(f"grammar_isolation must be 'process' or 'inline', got {self.grammar_isolation!r}")
         if not 0 <= self.conversation_lock_fraction <= 1:
             raise ValueError(f"conversation_lock_fraction must be in [0, 1], got {self.conversation_lock_fraction}")
 

@@ -3,28 +3,29 @@
 ``EngineCore`` knows nothing about prompts, chat templates or result formatting (that is
 ``api.Engine``); it takes ``Request`` objects and advances them one step at a time.
 
+Grammar work (matchers, masks, forced tokens) runs in the grammar manager's worker processes,
+under deadlines (grammar/manager.py): two round trips per step, one to fill the step's mask
+rows and one to accept the sampled tokens and take the forced ones.
+
 Overlap: the grammar bitmask rows for step N's sampling rows are filled while the forward of
-step N runs. On CUDA the forward launch is asynchronous and the caller thread fills the masks
-after it. On CPU a helper thread fills the masks (llguidance and xgrammar release the GIL and
-use no torch ops) while the caller thread runs the forward: every torch op of a step then runs
-on one OS thread, hence one OpenMP team. The other way round (forward in a worker thread) gave
-libgomp two teams contending for the cores, and the forward took 2.5x longer on 2 cores.
-``overlap=False`` runs the same work strictly in sequence: it is the reference the overlapped
-loop must match token for token.
+step N runs: the fill is sent to the mask workers before the forward and collected after it.
+On CUDA the forward launch is asynchronous; on CPU this thread runs the forward, so every torch
+op of a step runs on one OS thread, hence one OpenMP team (a forward in a helper thread gave
+libgomp two teams contending for the cores, 2.5x slower on 2 cores), while the workers fill
+masks in their own processes. ``overlap=False`` sends the fill after the forward: it is the
+reference the overlapped loop must match token for token.
 """
 from __future__ import annotations
 
 import copy
 import logging
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-import torch
 
 from .cache.manager import KVCacheManager
 from .detokenizer import IncrementalDetokenizer
 from .interrupts import sigint_deferred
-from .request import Request, Status
+from .request import Request
 from .runner import Batch, ModelRunner
 from .sampler import Sampler, record_prompt_logprobs
 from .scheduler import Scheduler
@@ -47,7 +48,6 @@ class EngineCore:
         self.fast_forward = fast_forward
         self.sampler = Sampler(runner.device)
         self.device = runner.device
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="masks") if self.device.type == "cpu" else None
         self.num_steps = 0
         self.check_each_step = False  # tests turn this on: integrity check after every step
         self.finished_queue: list[Request] = []
@@ -57,7 +57,7 @@ class EngineCore:
         self.page_holders: weakref.WeakSet = weakref.WeakSet()
         self.orphaned_pins: list = []
         self._in_step = False
-        self._mask_future: Future | None = None  # the overlapped mask fill of the step running
+        self._masks = None  # PendingMasks: the mask fill of the step running
         self._deferred_aborts: list[tuple] = []
         kv.release_pins = self._release_pins
 
@@ -110,7 +110,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------ grammar
     def _prepare_grammars(self) -> None:
-        """Give waiting requests whose grammar finished compiling a matcher (or their error)."""
+        """Give waiting requests whose grammar finished compiling a matcher (or their error),
+        and append the tokens their grammar forces before the first sampled one."""
+        ready = []
         for r in list(self.scheduler.waiting):
             fut = r.grammar_future
             if fut is None or r.matcher is not None or not fut.done():
@@ -120,37 +122,41 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
                 self._abort(r, "abort", str(e), type(e).__name__)
                 continue
-            r.compiled, r.matcher = compiled, self.grammar.new_matcher(compiled)
+            r.compiled = compiled
+            r.matcher = self.grammar.new_matcher(compiled, r.params.mask_timeout_s)
             r.grammar_future = None
-            # Tokens the grammar forces before the first sampled token join the prefill.
-            if self._check_stop(r, self._fast_forward(r)):
+            ready.append(r)
+        if not ready:
+            return
+        # Tokens the grammar forces before the first sampled token join the prefill.
+        results = self.grammar.advance([(r.matcher, [], self._ff_room(r), r.params.stop_token_ids) for r in ready])
+        for r, res in zip(ready, results):
+            if res is None:
+                self._abort(r, "abort", self._backend_failure(r, r.matcher.failure), "GrammarError")
                 continue
+            if not self._check_stop(r, [], res.finished_first):
+                self._check_stop(r, self._append_forced(r, res.forced), res.finished)
 
-    def _fast_forward(self, r: Request) -> list[int]:
-        """Append the tokens the grammar forces next; returns them."""
-        if not self.fast_forward or r.matcher is None or r.finished:
-            return []
-        room = min(r.params.max_tokens - r.num_output, self.max_model_len - r.num_tokens)
-        forced = r.matcher.forced_tokens()[: max(room, 0)]
-        # A stop token ends the output where it stands, as it would had it been sampled.
-        cut = next((i for i, t in enumerate(forced) if t in r.params.stop_token_ids), None)
-        if cut is not None:
-            forced = forced[: cut + 1]
-        if r.params.stop and forced:  # so does the token that completes a stop string
+    def _ff_room(self, r: Request, last: int | None = None) -> int:
+        """How many forced tokens r may take now (0: fast-forward off, or ``last``, the token
+        just sampled, ends the request anyway)."""
+        if not self.fast_forward or (last is not None and (last in r.params.stop_token_ids or (
+                not r.params.ignore_eos and last in self.eos_token_ids))):
+            return 0
+        return max(0, min(r.params.max_tokens - r.num_output, self.max_model_len - r.num_tokens))
+
+    def _append_forced(self, r: Request, forced: list[int]) -> list[int]:
+        """Append the tokens the grammar forced (the worker cut them at the room left and
+        after a stop token); returns them. A stop string cuts them where it completes."""
+        if r.params.stop and forced:  # the token that completes a stop string ends them
             forced = forced[: self._stop_string_end(r, forced)]
         if not forced:
-            return []
-        if not r.matcher.accept_tokens(forced):
-            if (failed := r.matcher.error()) is not None:
-                self._abort(r, "abort", self._backend_failure(r, failed), "GrammarError")
-            else:
-                logger.warning("grammar refused its own forced tokens %s", forced)
             return []
         r.token_ids.extend(forced)
         if r.logprobs is not None:  # never sampled, so never scored: fast_forward=False scores them
             r.logprobs.extend([None] * len(forced))
         r.num_forced += len(forced)
-        if cut is not None:  # the stop token on its own, so that its text can be left out
+        if forced[-1] in r.params.stop_token_ids:  # the stop token on its own, so that its text can be left out
             self._emit(r, forced[:-1])
             self._emit(r, forced[-1:])
         else:
@@ -182,8 +188,11 @@ class EngineCore:
         """Fail every unfinished request and forget the whole KV cache (pages, prefix cache,
         conversation pins), so that the engine serves the next call correctly. Conversations
         keep their history; their next turn recomputes it."""
-        if self._mask_future is not None:
-            wait([self._mask_future])  # the mask thread still reads the requests' matchers
+        if self._masks is not None:  # a fill still running in the mask workers: their state is lost
+            self._masks.abandon()
+            self._masks = None
+        if self.grammar is not None:
+            self.grammar.abandon_all()  # every matcher is rebuilt from its history when next used
         why = "interrupted by a second Ctrl-C in the middle of a step"
         for r in self.scheduler.drop_all():
             r.finish_reason, r.error, r.error_type = "abort", why, "KeyboardInterrupt"
@@ -209,17 +218,19 @@ class EngineCore:
         inputs = self.runner.prepare(batch)
         sampling = batch.sampling_chunks
         reqs = [c.request for c in sampling]
-        if self.overlap and self._pool is not None:
-            rows, bitmask = self._mask_rows(reqs)  # allocated here: torch ops stay on this thread
-            fut = self._pool.submit(self.grammar.fill_bitmask, rows, bitmask) if rows else None
-            self._mask_future = fut
+        rows = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
+        bitmask = self.grammar.step_bitmask(len(reqs)) if rows else None
+        if self.overlap:
+            # The mask workers fill the rows while the forward runs (on CUDA it is only
+            # launched here; on CPU this thread runs it and the workers use the other cores).
+            self._masks = self.grammar.fill_bitmask_async(rows, bitmask) if rows else None
             logits = self.runner.forward(inputs)
-            if fut is not None:
-                fut.result()
-            self._mask_future = None
         else:
-            logits = self.runner.forward(inputs)  # on CUDA: launched, not waited for
-            bitmask = self._fill_masks(reqs)
+            logits = self.runner.forward(inputs)
+            self._masks = self.grammar.fill_bitmask_async(rows, bitmask) if rows else None
+        if self._masks is not None:
+            masks, self._masks = self._masks, None
+            masks.wait()  # a row whose grammar work failed allows every token; _update fails it
         if inputs.prompt_rows:  # after the sampling rows; scored before penalties touch logits
             record_prompt_logprobs(logits[len(reqs):], inputs.prompt_rows)
             logits = logits[:len(reqs)]
@@ -235,18 +246,10 @@ class EngineCore:
 
     def _drain(self) -> list[Request]:
         done, self.finished_queue = self.finished_queue, []
+        for r in done:
+            if r.matcher is not None:  # its worker drops the matcher; the handle keeps its last state
+                self.grammar.release(r.matcher)
         return done
-
-    def _mask_rows(self, reqs: list[Request]) -> tuple[list, torch.Tensor | None]:
-        """The (row, matcher) pairs of constrained sampling rows, and a bitmask for all rows."""
-        rows = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
-        return rows, (self.grammar.allocate_bitmask(len(reqs)) if rows else None)
-
-    def _fill_masks(self, reqs: list[Request]) -> torch.Tensor | None:
-        rows, bitmask = self._mask_rows(reqs)
-        if rows:
-            self.grammar.fill_bitmask(rows, bitmask)
-        return bitmask
 
     def _update(self, batch: Batch, tokens: list[int], logprobs: list | None = None) -> None:
         ps = self.kv.page_size
@@ -258,33 +261,53 @@ class EngineCore:
                 # prefix cache now, not at finish, so requests that wait on the same prefix
                 # (Scheduler._prefix_in_flight) reuse it next step.
                 self.kv.share_progress(r)
+        constrained: list[tuple[Request, int]] = []
         for j, (c, tok) in enumerate(zip(batch.sampling_chunks, tokens)):
             r = c.request
             r.token_ids.append(tok)
             if r.logprobs is not None:
                 r.logprobs.append(logprobs[j] if logprobs is not None else None)
-            if r.matcher is not None and not r.matcher.accept_tokens([tok]):
-                # A backend that failed (a parser limit, perhaps while computing this step's
-                # mask) refuses every token and says why; otherwise a dead end in the spec.
-                failed = r.matcher.error()
-                why = self._backend_failure(r, failed) if failed else self._rejection_message(r, tok)
-                self._emit(r, [tok])
+            if r.matcher is not None:
+                constrained.append((r, tok))
+                continue
+            self._emit(r, [tok])
+            self._check_stop(r, [tok])
+        if not constrained:
+            return
+        # One round trip for every constrained row: accept the sampled token, then take the
+        # tokens the grammar forces next (unless the token ends the request anyway).
+        results = self.grammar.advance([(r.matcher, [tok], self._ff_room(r, tok), r.params.stop_token_ids)
+                                        for r, tok in constrained])
+        for (r, tok), res in zip(constrained, results):
+            if res is None:
+                # Its grammar work failed this step (a deadline, a crash, a parser limit, or a
+                # mask that allowed nothing): the token was drawn without a mask, so it goes.
+                r.token_ids.pop()
+                if r.logprobs is not None:
+                    r.logprobs.pop()
+                why = (self._rejection_message(r, r.num_output) if r.matcher.dead_end else
+                       self._backend_failure(r, r.matcher.failure))
                 self._abort(r, "abort", why, "GrammarError")
                 continue
             self._emit(r, [tok])
-            if self._check_stop(r, [tok]):
+            if not res.accepted:
+                # A backend that failed on the token says why; otherwise a dead end in the spec.
+                why = (self._backend_failure(r, r.matcher.failure) if r.matcher.failure else
+                       self._rejection_message(r, r.num_output - 1) if res.dead_end else
+                       f"grammar rejected sampled token {tok}, which its own mask allowed")
+                self._abort(r, "abort", why, "GrammarError")
                 continue
-            self._check_stop(r, self._fast_forward(r))
+            if self._check_stop(r, [tok], res.finished_first):
+                continue
+            self._check_stop(r, self._append_forced(r, res.forced), res.finished)
 
-    def _rejection_message(self, r: Request, tok: int) -> str:
-        """Why the matcher refused a token sampled under its own mask: usually a dead end in
-        the spec (a grammar that matches nothing from here on), where the mask allowed only
-        EOS. A refused token leaves the matcher's state as it was."""
-        if self.grammar.backend(r.matcher.backend_name).dead_end(r.matcher):
-            kind = r.spec.kind if r.spec is not None else "grammar"
-            return (f"the {kind} spec allows no token after {r.num_output - 1} output tokens "
-                    f"({r.detok.text[-40:]!r}) and does not accept them: it cannot be completed")
-        return f"grammar rejected sampled token {tok}, which its own mask allowed"
+    @staticmethod
+    def _rejection_message(r: Request, n_output: int) -> str:
+        """A dead end in the spec (a grammar that matches nothing from here on): its mask
+        allowed only EOS, which it does not accept, or nothing at all."""
+        kind = r.spec.kind if r.spec is not None else "grammar"
+        return (f"the {kind} spec allows no token after {n_output} output tokens "
+                f"({r.detok.text[-40:]!r}) and does not accept them: it cannot be completed")
 
     @staticmethod
     def _backend_failure(r: Request, reason: str) -> str:
@@ -295,8 +318,10 @@ class EngineCore:
         r.text_mark = len(r.detok.text)
         r.detok.push(toks)  # stop strings are matched on this text; Engine.stream reads it
 
-    def _check_stop(self, r: Request, new: list[int]) -> bool:
-        if r.finished:  # aborted by _fast_forward
+    def _check_stop(self, r: Request, new: list[int], grammar_finished: bool = False) -> bool:
+        """End r if ``new`` (the tokens just appended) or ``grammar_finished`` (its grammar
+        allows nothing more) ends it; True if it ended (or already had)."""
+        if r.finished:
             return True
         p = r.params
         reason = None
@@ -308,7 +333,7 @@ class EngineCore:
         elif p.stop and (seen := self._stop_string_seen(r)) is not None:
             # Before the grammar's end: a stop string in the closing text (a "}") cuts it.
             reason, r.stop_reason = "stop", seen
-        elif r.matcher is not None and r.matcher.is_finished():
+        elif grammar_finished:
             reason = "stop"
         elif r.num_output >= p.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"

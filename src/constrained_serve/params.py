@@ -44,6 +44,12 @@ class SamplingParams:
     # Completions per prompt (vLLM/OpenAI ``n``): independent samples sharing the prompt's
     # KV through the prefix cache. The Result carries the first; Result.samples all n.
     n: int = 1
+    # Deadlines of this request's grammar work (None: the engine's grammar_compile_timeout_s,
+    # 10 s, and grammar_mask_timeout_s, 0.5 s). A compile, or one step's matcher work (a mask,
+    # accepting the sampled token, the forced tokens), that runs longer is killed and the
+    # request fails alone with a GrammarError; the rest of the batch goes on.
+    compile_timeout_s: float | None = None
+    mask_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +86,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, "None or an integer in [0, 20]", hi=20)
+        for name in ("compile_timeout_s", "mask_timeout_s"):
+            if getattr(self, name) is not None:
+                _check_real(name, getattr(self, name), 0.0, 3600.0, "None or a number of seconds in (0, 3600]",
+                            open_low=True)
+                setattr(self, name, float(getattr(self, name)))
         # Plain Python numbers from here on (a numpy seed overflowed the per-step seed mix).
         for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "n"):
             if getattr(self, name) is not None:

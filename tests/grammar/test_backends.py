@@ -4,7 +4,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
-import threading
 import time
 
 import pytest
@@ -322,111 +321,6 @@ def test_compile_timeout_is_bounded(tokenizer, backend):
         mgr.close()
 
 
-def test_timed_out_spec_is_refused_at_once_on_retry(tokenizer, backend):
-    # Each retry of a spec that timed out used to start one more compile thread (which, for
-    # a spec the engine never finishes, spins for ever). Now it is refused without compiling
-    # while the abandoned compile runs; once that compile succeeds, the spec is served.
-    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,20}@[a-z]{2,9}"}
-                                            for i in range(200)}}
-    mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend=backend, max_workers=1, compile_timeout_s=0.05)
-    b = mgr.backend(backend)
-    gate, real_compile = threading.Event(), b.compile
-    b.compile = lambda spec: (gate.wait(60), real_compile(spec))[1]  # a compile on a busy machine
-    try:
-        spec = make_output_spec(schema=big)
-        with pytest.raises(GrammarError, match="longer than") as first:
-            mgr.compile(spec)
-        misses = mgr.stats["misses"]
-        for _ in range(3):
-            with pytest.raises(GrammarError) as again:
-                mgr.compile_async(spec).result(timeout=0)  # already failed: no waiting at all
-            assert str(again.value) == str(first.value) and again.value.reason == "timeout"
-            assert again.value.backend == backend and again.value is not first.value
-        assert mgr.stats["misses"] == misses and mgr.stats["timeout_refusals"] == 3
-        # keyed like the cache: the same schema with another strict flag is another spec
-        with pytest.raises(GrammarError, match="longer than"):
-            mgr.compile(make_output_spec(schema=big, strict=False))
-        assert mgr.stats["misses"] == misses + 1 and mgr.stats["timeouts"] == 2
-        gate.set()  # the abandoned compiles end, late but fine: the spec is usable again
-        deadline = time.monotonic() + 60
-        while mgr.abandoned_running() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert mgr.abandoned_running() == 0
-        hits = mgr.stats["hits"]
-        assert mgr.compile_async(spec).result(timeout=0).backend == backend  # from the cache
-        assert mgr.stats["hits"] == hits + 1 and mgr.stats["misses"] == misses + 1
-    finally:
-        gate.set()
-        mgr.close()
-
-
-# A Lark grammar llguidance never finishes with (1.9.1: its first mask spins for ever,
-# with growing memory): A is greedy and B can only start with what A would swallow.
-LLGUIDANCE_HANG = 'start: A B\nA: /a+/\nB: /a/\n'
-LLGUIDANCE_HANG_2 = 'start: A B\nA: /x+/\nB: /x/\n'
-
-_HANG_SCRIPT = """
-import json, sys, threading, time
-from transformers import AutoTokenizer
-from constrained_serve.errors import GrammarError
-from constrained_serve.grammar import GrammarManager, make_output_spec
-from constrained_serve.models.loader import default_model_dir
-
-def spinning():
-    return sum(t.name == "grammar-compile-llguidance" for t in threading.enumerate())
-
-tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
-mgr = GrammarManager(tok, %(vocab)d, max_workers=2, compile_timeout_s=1.0)
-mgr.backend()  # tokenizer tables, outside the timings
-spec = make_output_spec(grammar=sys.argv[1])
-out = {"errors": [], "seconds": []}
-for _ in range(4):
-    t0 = time.perf_counter()
-    try:
-        mgr.compile(spec)
-        out["errors"].append(None)
-    except GrammarError as e:
-        out["errors"].append(e.reason)
-    out["seconds"].append(time.perf_counter() - t0)
-out["threads_after_retries"] = spinning()
-# two submits of another hanging spec while it is in flight: one compile, one thread
-other = make_output_spec(grammar=sys.argv[2])
-f1, f2 = mgr.compile_async(other), mgr.compile_async(other)
-out["shared_future"] = f1 is f2
-try:
-    f2.result(timeout=30)
-except GrammarError as e:
-    out["other_error"] = e.reason
-out["threads_after_other"] = spinning()
-out["stats"] = mgr.stats
-print(json.dumps(out))
-""" % {"vocab": MODEL_VOCAB}
-
-
-def test_llguidance_hang_costs_one_thread_per_spec(default_model_dir):
-    # In a child process: the abandoned thread cannot be stopped and would spin (and grow)
-    # for the rest of the test session; the child's exit ends it.
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import constrained_serve
-
-    src = str(Path(constrained_serve.__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run([sys.executable, "-c", _HANG_SCRIPT, LLGUIDANCE_HANG, LLGUIDANCE_HANG_2], capture_output=True, text=True,
-                          env=env, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["errors"] == ["timeout"] * 4, out
-    assert out["seconds"][0] >= 1.0 and max(out["seconds"][1:]) < 0.1, out
-    assert out["threads_after_retries"] == 1, out  # the first compile's, still spinning
-    assert out["shared_future"] and out["other_error"] == "timeout" and out["threads_after_other"] == 2, out
-    assert out["stats"]["misses"] == 2 and out["stats"]["timeout_refusals"] == 3, out
-
-
 @pytest.mark.parametrize("grammar,texts", [
     ('start: A "c"?\nA: /a|ab|abc/', ["a", "ab", "abc", "abcc", "ac"]),
     ("start: NUMBER\nNUMBER: /[0-9]+|[0-9]+\\.[0-9]+/", ["3", "3.14"]),
@@ -504,10 +398,7 @@ def test_unknown_backend(manager):
 XGRAMMAR_DROPS = [
     ({"type": "object", "required": ["zz"]}, "{}"),  # a required name not in properties
     ({"type": "object", "properties": {"o": {"type": "object", "required": ["k"]}}, "required": ["o"]}, '{"o":{}}'),
-    ({"minLength": 3}, '"ab"'),  # string/number keywords without "type"
-    ({"minimum": 3}, "2"),
     ({"anyOf": [{"type": "number"}, {"type": "null"}], "minimum": 0}, "-1"),
-    ({"enum": [1, "a"], "minLength": 3}, '"a"'),  # next to an enum only the enum is checked
     # patternProperties next to properties is ignored (JSONSchemaBench wp_91 accepted "k":-2)
     ({"type": "object", "properties": {"b": {"type": "string"}}, "patternProperties": {".*": {"type": "string"}},
       "required": ["b"]}, '{"b":"a","k":-2}'),

@@ -1,11 +1,25 @@
-"""Grammar subsystem: output specs, two engines behind one interface, and the manager."""
+"""Grammar subsystem: output specs, two engines behind one interface, and the manager.
+
+Imports are lazy: grammar worker processes import ``constrained_serve.grammar.worker``, and
+must not pay for torch (which the manager needs) on the way."""
 from __future__ import annotations
 
-from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
-from .manager import BACKENDS, GrammarManager
-from .spec import canonical_json, make_output_spec, parse_output
+import importlib
+from typing import Any
 
-__all__ = [
-    "BACKENDS", "CompiledGrammar", "GrammarBackend", "GrammarManager", "GrammarMatcher",
-    "bitmask_width", "canonical_json", "make_output_spec", "parse_output",
-]
+_EXPORTS = {
+    "CompiledGrammar": ".base", "GrammarBackend": ".base", "GrammarMatcher": ".base", "bitmask_width": ".base",
+    "BACKENDS": ".manager", "GrammarManager": ".manager", "MatcherHandle": ".manager",
+    "canonical_json": ".spec", "make_output_spec": ".spec", "parse_output": ".spec",
+    "TokenizerData": ".tokenizer_data",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

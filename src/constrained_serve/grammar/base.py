@@ -3,6 +3,10 @@
 Engine level (``GrammarBackend``): compile a spec once, make matchers, fill bitmask rows.
 Request level (``GrammarMatcher``): accept tokens, fill its row, forced tokens, rollback.
 
+These objects run the grammar engines in-process and unbounded; the engine reaches them only
+through worker processes (``host.py`` inside them, ``manager.py`` outside), where a runaway
+can be killed. They work on numpy bitmasks so a worker needs no torch.
+
 Bitmask layout, identical for every backend so one sampling kernel serves all: an int32
 tensor ``[rows, ceil(vocab_size / 32)]`` where bit ``t % 32`` of word ``t // 32`` is set iff
 token ``t`` is allowed. ``vocab_size`` is the model's logits width; ids past the
@@ -15,21 +19,26 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
+import numpy as np
 
-from ..kernels.sampling import unpack_bitmask
 from ..params import OutputSpec
+from .tokenizer_data import TokenizerData
 
-__all__ = ["CompiledGrammar", "GrammarBackend", "GrammarMatcher", "allocate_bitmask", "bitmask_width"]
+__all__ = ["CompiledGrammar", "GrammarBackend", "GrammarMatcher", "allocate_bitmask", "allowed_tokens", "bitmask_width"]
 
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     """``[rows, ceil(vocab/32)]`` int32, all bits set (= no constraint)."""
-    return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+    return np.full((rows, bitmask_width(vocab_size)), -1, dtype=np.int32)
+
+
+def allowed_tokens(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """One int32 bitmask row -> bool [vocab_size] (True = allowed)."""
+    return np.unpackbits(np.ascontiguousarray(row).view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
 
 
 @dataclass(eq=False)
@@ -38,9 +47,11 @@ class CompiledGrammar:
 
     backend: str
     spec: OutputSpec
-    handle: Any  # the engine's own compiled object
+    handle: Any  # the engine's own compiled object (None outside the process that holds it)
     compile_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    gid: int = -1  # the manager's id of this compile: worker processes key their copies by it
+    payload: str = ""  # what rebuilds ``handle`` in another process (GrammarBackend.load)
 
 
 class GrammarMatcher(abc.ABC):
@@ -53,7 +64,7 @@ class GrammarMatcher(abc.ABC):
         """Advance by ``tokens``. False if any is rejected; the state is then unchanged."""
 
     @abc.abstractmethod
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed-next-token bits into ``bitmask[row]``."""
 
     @abc.abstractmethod
@@ -84,20 +95,19 @@ class GrammarBackend(abc.ABC):
 
     name: str = "abstract"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None):
-        self.tokenizer = tokenizer
-        self.vocab_size = int(vocab_size)
-        eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-        for t in eos_token_ids or ():
-            if int(t) not in eos:
-                eos.append(int(t))
-        if not eos:
-            raise ValueError("the tokenizer has no eos_token_id; pass eos_token_ids")
-        self.eos_token_ids: list[int] = eos
+    def __init__(self, tokenizer: TokenizerData):
+        self.tokenizer_data = tokenizer
+        self.vocab_size = tokenizer.vocab_size
+        self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids)
 
     @abc.abstractmethod
     def compile(self, spec: OutputSpec) -> CompiledGrammar:
-        """Compile ``spec``; raise ``GrammarError`` naming the reason and the offending part."""
+        """Compile ``spec``; raise ``GrammarError`` naming the reason and the offending part.
+        The result's ``payload`` rebuilds it with ``load`` in another process."""
+
+    @abc.abstractmethod
+    def load(self, payload: str, spec: OutputSpec) -> CompiledGrammar:
+        """Rebuild a grammar that ``compile`` accepted (in another process) from its payload."""
 
     @abc.abstractmethod
     def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
@@ -118,14 +128,6 @@ class GrammarBackend(abc.ABC):
         """The matcher's next-token mask allows no token but EOS (one mask fill)."""
         row = allocate_bitmask(1, self.vocab_size)
         matcher.fill_bitmask(row, 0)
-        allowed = unpack_bitmask(row, self.vocab_size)[0]
+        allowed = allowed_tokens(row[0], self.vocab_size)
         allowed[[t for t in self.eos_token_ids if t < self.vocab_size]] = False
         return not bool(allowed.any())
-
-    def fill_bitmasks(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
-        """Fill several rows. Backends override this with a GIL-free parallel fill."""
-        for row, matcher in rows_and_matchers:
-            matcher.fill_bitmask(bitmask, row)
-
-    def close(self) -> None:
-        """Release thread pools; the backend is unusable afterwards."""

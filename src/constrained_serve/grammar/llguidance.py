@@ -2,24 +2,26 @@
 
 Compilation builds one template ``LLMatcher`` per grammar (that is where llguidance parses
 the grammar and reports errors and warnings); each request gets a ``deep_copy`` of it,
-which is much cheaper than re-parsing the grammar.
+which is much cheaper than re-parsing the grammar. The payload that rebuilds the template in
+another process is llguidance's own grammar text (the JSON Schema or Lark already converted).
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import llguidance
-import llguidance.hf
-import torch
-from llguidance import LLExecutor, LLMatcher
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
 
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
 from .gbnf import gbnf_for_backend
+from .tokenizer_data import TokenizerData
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class LLGuidanceMatcher(GrammarMatcher):
             self._m.rollback(n)
         return False
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         _check_bitmask(bitmask, self._width)
         _fill_row(self._m, bitmask, row)
 
@@ -110,33 +112,55 @@ class LLGuidanceMatcher(GrammarMatcher):
         return None if reason.startswith("NoExtension") else reason
 
 
-def _fill_row(matcher: LLMatcher, bitmask: torch.Tensor, row: int) -> None:
-    """What llguidance.torch.fill_next_token_bitmask does, without importing llguidance.torch:
-    its module-level torch.compile pulls in torch._dynamo and inductor, ~3 s on the first
-    constrained request. ``bitmask`` is checked (contiguous int32 [rows, width]) by the caller."""
+def _located(spec: OutputSpec, error: str) -> str:
+    """llguidance's Lark lexer reads an unterminated string or regex to the end of the text
+    and reports that place ("4(1): lexer error" for a 2-line grammar); lark's own grammar
+    parser reports where it starts. Other errors keep llguidance's (right) position."""
+    if spec.kind != "lark" or "lexer error" not in error.split("\n", 1)[0]:
+        return error
+    from lark.exceptions import GrammarError as LarkGrammarError
+    from lark.load_grammar import load_grammar
+
+    try:
+        load_grammar(spec.text, "<spec>", [], False)
+    except LarkGrammarError as e:
+        m = re.search(r"line (\d+) column (\d+)", str(e))
+        if m:
+            lines = spec.text.splitlines()
+            line = int(m.group(1))
+            shown = lines[line - 1] if 0 < line <= len(lines) else ""
+            return (f"line {m.group(1)}, column {m.group(2)}: lexer error (an unterminated string or regular "
+                    f"expression?)\n{shown}\n{' ' * (int(m.group(2)) - 1)}^")
+    except Exception:  # noqa: BLE001 - lark reads it otherwise: keep llguidance's message
+        pass
+    return error
+
+
+def _fill_row(matcher: LLMatcher, bitmask: np.ndarray, row: int) -> None:
+    """What llguidance.numpy.fill_next_token_bitmask does, on a row the caller checked
+    (contiguous int32 [rows, width]); llguidance writes the row in place."""
     v = bitmask[row]
-    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+    matcher.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
 
 
-def _check_bitmask(bitmask: torch.Tensor, width: int) -> None:
-    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[1] != width:
-        raise ValueError(f"bitmask must be int32 [rows, {width}], got {bitmask.dtype} {tuple(bitmask.shape)}")
-    if not bitmask.is_cpu or not bitmask.is_contiguous():
-        raise ValueError("bitmask must be a contiguous CPU tensor")
+def _check_bitmask(bitmask: np.ndarray, width: int) -> None:
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != width:
+        raise ValueError(f"bitmask must be int32 [rows, {width}], got {bitmask.dtype} {bitmask.shape}")
+    if not bitmask.flags.c_contiguous or not bitmask.flags.writeable:
+        raise ValueError("bitmask must be a contiguous, writeable array")
 
 
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None,
-                 num_threads: int = 2):
-        super().__init__(tokenizer, vocab_size, eos_token_ids)
+    def __init__(self, tokenizer: TokenizerData):
+        super().__init__(tokenizer)
         self.width = bitmask_width(self.vocab_size)
         # n_vocab = the model width: ids past the tokenizer's vocabulary are never allowed.
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
-                                                         eos_token=self.eos_token_ids)
+        # (llguidance.hf.from_tokenizer does the same from a Hugging Face tokenizer.)
+        self.ll_tokenizer = LLTokenizer(tokenizer.tokenizer_json, n_vocab=self.vocab_size,
+                                        eos_token=self.eos_token_ids)
         self._eos = frozenset(self.eos_token_ids)
-        self._executor = LLExecutor(num_threads=max(1, num_threads))
 
     # -- compile -------------------------------------------------------------------------
     def grammar_text(self, spec: OutputSpec) -> str:
@@ -174,7 +198,7 @@ class LLGuidanceBackend(GrammarBackend):
         grammar = self.grammar_text(spec)
         template = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise self._error(spec, template.get_error())
+            raise self._error(spec, _located(spec, template.get_error()))
         warnings = list(template.get_grammar_warnings())
         if spec.is_json and not spec.strict and '"oneOf"' in spec.text:
             # llguidance coerces silently; say so, as for every other approximation
@@ -184,7 +208,13 @@ class LLGuidanceBackend(GrammarBackend):
                 # The engine would accept the grammar but silently approximate part of it.
                 raise self._error(spec, "; ".join(warnings), prefix="would approximate the spec (strict=True)")
             logger.warning("llguidance approximates %s spec: %s", spec.kind, "; ".join(warnings))
-        return CompiledGrammar(self.name, spec, template, time.perf_counter() - t0, warnings)
+        return CompiledGrammar(self.name, spec, template, time.perf_counter() - t0, warnings, payload=grammar)
+
+    def load(self, payload: str, spec: OutputSpec) -> CompiledGrammar:
+        template = LLMatcher(self.ll_tokenizer, payload, log_level=0)
+        if template.is_error():
+            raise self._error(spec, template.get_error())
+        return CompiledGrammar(self.name, spec, template, payload=payload)
 
     def _error(self, spec: OutputSpec, reason: str, prefix: str = "cannot compile") -> GrammarError:
         snippet = spec.text if len(spec.text) <= 200 else spec.text[:200] + "..."
@@ -201,15 +231,3 @@ class LLGuidanceBackend(GrammarBackend):
         m = self.new_matcher(compiled).raw
         ids = self.ll_tokenizer.tokenize_str(text)
         return m.try_consume_tokens(ids) == len(ids) and not m.is_error() and m.is_accepting()
-
-    def fill_bitmasks(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
-        if not rows_and_matchers:
-            return
-        _check_bitmask(bitmask, self.width)
-        pairs = [(m.raw, row) for row, m in rows_and_matchers]  # type: ignore[attr-defined]
-        if len(pairs) == 1:
-            _fill_row(pairs[0][0], bitmask, pairs[0][1])
-        else:
-            # Rust thread pool, GIL released for the whole batch (the bitmask is checked
-            # contiguous int32 [rows, width] above).
-            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.width * 4, bitmask.shape[0])

@@ -1,127 +1,218 @@
-"""Engine-level grammar service: cached, bounded, off-the-step-loop compilation, and masks.
+"""Engine-level grammar service: compiles (cached, bounded), matchers and masks, all of it in
+worker processes under deadlines, so no spec a user sends can hang, spin or poison the engine.
 
-Compilation runs on a small thread pool so the scheduler never waits for it; each compile
-runs in its own daemon thread joined with a timeout, because neither engine can be
-interrupted: a runaway compile is abandoned (and logged), never waited for; its thread
-keeps its CPU until the engine returns, which is the price of never blocking a request.
-Some specs never return (llguidance spins for ever on the Lark grammar ``start: A B``,
-``A: /a+/``, ``B: /a/``), so a spec that timed out is remembered and refused at once when
-submitted again: each retry would otherwise start one more thread that spins for ever.
+Two kinds of worker per backend (``worker.py``): compile workers (up to ``max_workers``) compile
+specs and check finished outputs (``matches``); mask workers (``mask_threads`` of them) hold
+the requests' matchers and write mask rows into the shared step bitmask. A compile that
+overruns ``compile_timeout_s``, or a matcher operation that overruns its request's
+``mask_timeout_s``, gets its worker killed (its memory comes back) and restarted; the request
+it was working for fails alone with a ``GrammarError`` naming the cause. The other matchers of a
+killed mask worker are rebuilt in the new one from the tokens they had accepted (``history``),
+lazily, the next time they are used, and their work is retried.
 
-Typical engine use::
+- A spec whose compile timed out is remembered by its shape (``spec_shape``: the spec with
+  letters and digits folded, so trivial edits of a runaway grammar do not start another)
+  and refused at once, unless retried with a larger ``compile_timeout_s``.
+- A matcher that fails (a parser limit such as llguidance's "too many expressions
+  constructed", an overrun, a crash) evicts its compiled grammar: llguidance's matchers share
+  state with their template, and one such failure can break every later matcher made from it.
+  The next request with that spec compiles afresh.
+- ``isolation="inline"`` runs the same code in this process, without deadlines (a runaway
+  then hangs the caller): for debugging, and as the baseline ``benchmarks/masks.py`` compares.
+
+Typical engine use (mask operations come from one thread at a time: the step loop)::
 
     gm = GrammarManager(tokenizer, vocab_size=model_logits_width)
-    fut = gm.compile_async(spec)                 # at submit; GrammarError via fut.result()
-    matcher = gm.new_matcher(fut.result())       # when the request is scheduled
-    bitmask = gm.allocate_bitmask(max_batch)     # once; rows without a grammar stay -1
-    gm.fill_bitmask([(row, matcher), ...], bitmask)   # each step, while the forward runs
-    matcher.accept_tokens([sampled]); matcher.forced_tokens(); matcher.is_finished()
+    fut = gm.compile_async(spec)                  # at submit; GrammarError via fut.result()
+    h = gm.new_matcher(fut.result())              # when the request is scheduled
+    [adv] = gm.advance([(h, [], room, stop_ids)])  # tokens forced at the start
+    pending = gm.fill_bitmask_async([(row, h)], bitmask)   # before the forward ...
+    pending.wait()                                 # ... after it; failures in h.failure
+    [adv] = gm.advance([(h, [sampled], room, stop_ids)])
+    gm.release(h)                                  # when the request ends
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import itertools
 import logging
+import re
 import threading
-import time
-from dataclasses import dataclass
+import weakref
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import GrammarError
 from ..params import OutputSpec
-from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, allocate_bitmask
+from .base import CompiledGrammar, allocate_bitmask, bitmask_width
+from .host import InlineClient
+from .matchers import Advance, MatcherHandle, PendingMasks, _Batch, _Entry, _Live, portable
+from .tokenizer_data import TokenizerData
+from .worker import SharedBitmask, WorkerClient, WorkerFailure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GrammarManager", "BACKENDS"]
+__all__ = ["Advance", "BACKENDS", "GrammarManager", "MatcherHandle", "spec_shape"]
 
 BACKENDS = ("llguidance", "xgrammar")
 CacheKey = tuple[str, str, str, bool, bool]
-_RUNNING = object()  # no outcome yet from a compile thread
 
 
-@dataclass
-class _TimedOut:
-    """A compile abandoned at ``compile_timeout_s``: the refusal every retry of its spec gets,
-    and the thread that may still be running it."""
-
-    error: GrammarError
-    thread: threading.Thread
-
-    def refusal(self) -> GrammarError:
-        # A fresh exception per future: one shared instance would pile up tracebacks.
-        return GrammarError(str(self.error), backend=self.error.backend, reason=self.error.reason)
+def spec_shape(spec: OutputSpec, backend: str) -> tuple[str, str, str, bool, bool]:
+    """A spec with runs of letters and digits folded and whitespace dropped: specs that differ
+    by a renamed rule, another letter in a regex or a reindent share a shape (and, for a
+    runaway compile, its fate)."""
+    text = re.sub(r"\s+", "", re.sub(r"[0-9]+", "0", re.sub(r"[A-Za-z_]+", "a", spec.text)))
+    return (backend, spec.kind, text, spec.whitespace, spec.strict)
 
 
 class GrammarManager:
     def __init__(self, tokenizer: Any, vocab_size: int, default_backend: str = "llguidance",
                  max_workers: int = 2, cache_size: int = 256, eos_token_ids: Sequence[int] | None = None,
                  compile_timeout_s: float = 10.0, backend_options: dict[str, dict[str, Any]] | None = None,
-                 mask_threads: int | None = None):
+                 mask_threads: int | None = None, mask_timeout_s: float = 0.5, isolation: str = "process",
+                 max_rows: int = 64):
         if default_backend not in BACKENDS:
             raise ValueError(f"default_backend must be one of {BACKENDS}, got {default_backend!r}")
+        if isolation not in ("process", "inline"):
+            raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
+        for name, v in (("compile_timeout_s", compile_timeout_s), ("mask_timeout_s", mask_timeout_s)):
+            if not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
+        self.width = bitmask_width(self.vocab_size)
         self.default_backend = default_backend
-        self.eos_token_ids = list(eos_token_ids or ())
+        self.tokenizer_data = TokenizerData.from_hf(tokenizer, self.vocab_size, eos_token_ids)
+        self.eos_token_ids = list(self.tokenizer_data.eos_token_ids)
         self.cache_size = int(cache_size)
         self.compile_timeout_s = float(compile_timeout_s)
-        self._max_workers = max(1, int(max_workers))
-        # Threads of the backends' batched mask fill (None: max_workers). On a CPU device the
-        # forward already runs on every core while masks fill: one thread avoids preempting it.
-        self._mask_threads = max(1, int(mask_threads or max_workers))
+        self.mask_timeout_s = float(mask_timeout_s)
+        self.isolation = isolation
+        self._max_compilers = max(1, int(max_workers))
+        # Mask workers per backend (None: max_workers). A request's matcher lives in one of
+        # them; their fills run in parallel. On a CPU device one: the forward has the cores.
+        self._mask_workers = max(1, int(mask_threads or max_workers))
         # extra constructor kwargs per backend, e.g. {"xgrammar": {"lazy_masks": False}}
         self._backend_options = {k: dict(v) for k, v in (backend_options or {}).items()}
-        self._backends: dict[str, GrammarBackend] = {}
+        self._lock = threading.RLock()  # the cache, the compile workers, the registries
+        self._idle = threading.Condition(self._lock)
         self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
-        # One in-flight future per key, so concurrent requests for one spec compile it once.
-        self._pending: dict[CacheKey, cf.Future] = {}
-        # Specs whose compile timed out and still runs, keyed like the cache: a retry is refused
-        # at once rather than starting one more thread on it. When the abandoned compile ends,
-        # the entry goes; a compile that succeeded late serves the spec from the cache (a slow
-        # compile on a busy machine must not make a good spec unusable for good).
-        self._timed_out: collections.OrderedDict[CacheKey, _TimedOut] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self._pool = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
-        # timeouts: compiles abandoned; timeout_refusals: retries of those refused without compiling
-        self.stats = {"hits": 0, "misses": 0, "compiles": 0, "timeouts": 0, "timeout_refusals": 0}
+        self._pending: dict[CacheKey, cf.Future] = {}  # one in-flight compile per key, shared
+        # Shapes of specs whose compile overran: (timeout it overran, the refusal's message).
+        self._timed_out: collections.OrderedDict[tuple, tuple[float, str]] = collections.OrderedDict()
+        self._compilers: dict[str, list[Any]] = {}
+        self._idle_compilers: dict[str, list[Any]] = {}
+        self._maskers: dict[str, list[Any]] = {}
+        self._next_masker: dict[str, int] = {}
+        self._tokenizers: dict[str, TokenizerData] = {}
+        # gids each worker holds, as of its current epoch; gids retired from the cache, and
+        # live matchers per gid (a retired gid is unloaded when its last matcher goes).
+        self._loaded: dict[Any, tuple[int, set[int]]] = {}
+        self._retired: set[int] = set()
+        self._live_per_gid: collections.Counter = collections.Counter()
+        self._released: collections.deque[_Live] = collections.deque()  # appended by finalizers too
+        self._queued: dict[Any, list[tuple]] = collections.defaultdict(list)
+        self._gids = itertools.count(1)
+        self._mids = itertools.count(1)
+        self._bitmask = SharedBitmask(max(1, int(max_rows)), self.width)
+        self._bitmask_t = torch.from_numpy(self._bitmask.array)
+        self._pool = cf.ThreadPoolExecutor(self._max_compilers, thread_name_prefix="grammar-compile")
+        self._closed = False
+        # timeouts: compiles killed at compile_timeout_s; timeout_refusals: specs refused for
+        # the shape of one that timed out; mask_overruns: matcher operations killed
+        self.stats = {"hits": 0, "misses": 0, "compiles": 0, "timeouts": 0, "timeout_refusals": 0,
+                      "mask_overruns": 0, "worker_restarts": 0, "evictions": 0}
+        weakref.finalize(self, GrammarManager._close_all, self._compilers, self._maskers, self._bitmask)
 
-    # -- backends ------------------------------------------------------------------------
-    def backend(self, name: str | None = None) -> GrammarBackend:
-        """The backend object (created on first use: building tokenizer tables takes ~0.5 s)."""
-        name = name or self.default_backend
+    # -- workers -------------------------------------------------------------------------
+    def _tokenizer_for(self, name: str) -> TokenizerData:
         with self._lock:
-            b = self._backends.get(name)
-            if b is None:
-                b = self._backends[name] = self._make_backend(name)
-            return b
+            data = self._tokenizers.get(name)
+            if data is None:
+                data = self.tokenizer_data
+                if name == "xgrammar":
+                    data = data.with_xgrammar_info(self.tokenizer)
+                self._tokenizers[name] = data
+            return data
 
-    def _make_backend(self, name: str) -> GrammarBackend:
-        if name == "llguidance":
-            from .llguidance import LLGuidanceBackend
-            return LLGuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._mask_threads,
-                                     **self._backend_options.get(name, {}))
-        if name == "xgrammar":
-            from .xgrammar import XGrammarBackend
-            return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids, self._mask_threads,
-                                   **self._backend_options.get(name, {}))
-        raise GrammarError(f"unknown grammar backend {name!r}; expected one of {BACKENDS}", backend=name)
+    def _client(self, name: str, label: str, bitmask: SharedBitmask | None) -> Any:
+        cls = WorkerClient if self.isolation == "process" else InlineClient
+        return cls(name, self._tokenizer_for(name), self._backend_options.get(name, {}), bitmask, label)
+
+    def _maskers_for(self, name: str) -> list[Any]:
+        with self._lock:
+            clients = self._maskers.get(name)
+            if clients is None:
+                clients = self._maskers[name] = [self._client(name, f"{name} mask #{i}", self._bitmask)
+                                                 for i in range(self._mask_workers)]
+            return clients
+
+    def warm_up(self, backend: str | None = None) -> cf.Future:
+        """Start the backend's workers in the background (a first request then finds them up)."""
+        name = backend or self.default_backend
+
+        def start() -> None:
+            self._release_compiler(name, self._checkout_compiler(name, start=True))
+            for c in self._maskers_for(name):
+                c.start()
+
+        return self._pool.submit(start)
+
+    def _checkout_compiler(self, name: str, start: bool = False) -> Any:
+        with self._idle:
+            while True:
+                idle = self._idle_compilers.setdefault(name, [])
+                if idle:
+                    client = idle.pop()
+                    break
+                clients = self._compilers.setdefault(name, [])
+                if len(clients) < self._max_compilers:
+                    client = self._client(name, f"{name} compile #{len(clients)}", None)
+                    clients.append(client)
+                    break
+                self._idle.wait()
+        if start:
+            try:
+                client.start()
+            except BaseException:
+                self._release_compiler(name, client)
+                raise
+        return client
+
+    def _release_compiler(self, name: str, client: Any) -> None:
+        with self._idle:
+            self._idle_compilers[name].append(client)
+            self._idle.notify()
+
+    def _loaded_in(self, client: Any) -> set[int]:
+        """The gids ``client`` holds in its current epoch (a restart empties it)."""
+        epoch, gids = self._loaded.get(client, (-1, set()))
+        if epoch != client.epoch:
+            gids = set()
+            self._loaded[client] = (client.epoch, gids)
+        return gids
 
     # -- compile -------------------------------------------------------------------------
     @staticmethod
     def cache_key(spec: OutputSpec, backend: str) -> CacheKey:
         return (backend, spec.kind, spec.text, spec.whitespace, spec.strict)
 
-    def compile_async(self, spec: OutputSpec, backend: str | None = None) -> cf.Future:
-        """A future of the ``CompiledGrammar``; ``.result()`` raises GrammarError on failure."""
+    def compile_async(self, spec: OutputSpec, backend: str | None = None,
+                      timeout_s: float | None = None) -> cf.Future:
+        """A future of the ``CompiledGrammar``; ``.result()`` raises GrammarError on failure.
+        ``timeout_s``: this compile's deadline (None: ``compile_timeout_s``)."""
         name = backend or self.default_backend
+        fut: cf.Future
         if name not in BACKENDS:
-            fut: cf.Future = cf.Future()
+            fut = cf.Future()
             fut.set_exception(GrammarError(f"unknown grammar backend {name!r}; expected one of {BACKENDS}",
                                            backend=name))
             return fut
+        timeout = float(timeout_s or self.compile_timeout_s)
         key = self.cache_key(spec, name)
         with self._lock:
             hit = self._cache.get(key)
@@ -132,69 +223,48 @@ class GrammarManager:
                 fut.set_result(hit)
                 return fut
             pending = self._pending.get(key)
-            if pending is not None:  # in flight: share it, even while it runs into its timeout
+            if pending is not None:  # in flight: share it
                 self.stats["hits"] += 1
                 return pending
-            timed_out = self._timed_out.get(key)
-            if timed_out is not None:
-                self._timed_out.move_to_end(key)
+            shape = spec_shape(spec, name)
+            seen = self._timed_out.get(shape)
+            if seen is not None and timeout <= seen[0]:
+                self._timed_out.move_to_end(shape)
                 self.stats["timeout_refusals"] += 1
                 fut = cf.Future()
-                fut.set_exception(timed_out.refusal())
+                fut.set_exception(GrammarError(seen[1], backend=name, reason="timeout"))
                 return fut
             self.stats["misses"] += 1
-            fut = self._pool.submit(self._compile_bounded, spec, name, key)
+            fut = self._pool.submit(self._compile_job, spec, name, key, timeout)
             self._pending[key] = fut
         return fut
 
-    def compile(self, spec: OutputSpec, backend: str | None = None) -> CompiledGrammar:
-        return self.compile_async(spec, backend).result()
+    def compile(self, spec: OutputSpec, backend: str | None = None, timeout_s: float | None = None) -> CompiledGrammar:
+        return self.compile_async(spec, backend, timeout_s).result()
 
-    def _compile_bounded(self, spec: OutputSpec, name: str, key: CacheKey) -> CompiledGrammar:
+    def _compile_job(self, spec: OutputSpec, name: str, key: CacheKey, timeout: float) -> CompiledGrammar:
         try:
-            b = self.backend(name)
-            box: dict[str, Any] = {}  # "done": the CompiledGrammar or the exception; under self._lock
-
-            def work() -> None:
-                t0 = time.monotonic()
-                outcome: Any
-                try:
-                    compiled = b.compile(spec)
-                    # Refused at submit like any bad spec, rather than aborting mid-batch.
-                    if b.dead_end(b.new_matcher(compiled)):
-                        raise GrammarError(f"{name}: the {spec.kind} spec matches no text at all "
-                                           f"(nothing can be generated from its start)",
-                                           backend=name, reason="matches no text")
-                    outcome = compiled
-                except BaseException as e:  # surfaced below, in the caller's future
-                    outcome = e
-                with self._lock:
-                    box["done"] = outcome
-                    late = self._timed_out.pop(key, None) is not None
-                    if late and not isinstance(outcome, BaseException):
-                        self._cache_put(key, outcome)
-                if late:
-                    logger.info("abandoned %s compile of a %s spec ended after %.1f s (%s)", name, spec.kind,
-                                time.monotonic() - t0, "failed: a retry compiles it again"
-                                if isinstance(outcome, BaseException) else "compiled: now cached")
-
-            t = threading.Thread(target=work, name=f"grammar-compile-{name}", daemon=True)
-            t.start()
-            t.join(self.compile_timeout_s)
-            with self._lock:  # decided under the lock, so a compile ending just now is not lost
-                outcome = box.get("done", _RUNNING)
-                timed_out = self._remember_timeout(key, spec, name, t) if outcome is _RUNNING else None
-            if timed_out is not None:
-                logger.warning("%s compile of a %s spec exceeded %.1f s; abandoned (%d abandoned compile "
-                               "thread(s) still running; they cannot be stopped)", name, spec.kind,
-                               self.compile_timeout_s, self.abandoned_running())
-                raise timed_out.error
-            if isinstance(outcome, BaseException):
-                if isinstance(outcome, GrammarError):
-                    raise outcome
-                raise GrammarError(f"{name}: unexpected error compiling the {spec.kind} spec: {outcome!r}",
-                                   backend=name, reason=str(outcome)) from outcome
-            compiled: CompiledGrammar = outcome
+            gid = next(self._gids)
+            client = self._checkout_compiler(name)
+            try:
+                [(ok, value)] = client.call([("compile", gid, portable(spec))], [timeout])
+                if ok:
+                    self._loaded_in(client).add(gid)
+            except WorkerFailure as e:
+                if not e.overrun:
+                    raise GrammarError(f"{name}: the grammar worker failed while compiling the {spec.kind} spec: {e}",
+                                       backend=name, reason="worker failure") from None
+                raise self._timed_out_error(spec, name, timeout) from None
+            finally:
+                self._release_compiler(name, client)
+            if not ok:
+                etype, message, reason = value
+                if etype == "GrammarError":
+                    raise GrammarError(message, backend=name, reason=reason)
+                raise GrammarError(f"{name}: unexpected error compiling the {spec.kind} spec: {etype}: {message}",
+                                   backend=name, reason=message)
+            payload, warnings, compile_s = value
+            compiled = CompiledGrammar(name, spec, None, compile_s, list(warnings), gid=gid, payload=payload)
             with self._lock:
                 self._cache_put(key, compiled)
             return compiled
@@ -202,48 +272,259 @@ class GrammarManager:
             with self._lock:
                 self._pending.pop(key, None)
 
+    def _timed_out_error(self, spec: OutputSpec, name: str, timeout: float) -> GrammarError:
+        message = (f"{name}: compiling the {spec.kind} spec took longer than {timeout:g} s (its worker was "
+                   f"killed); this spec, and specs of the same shape, are refused at once from now on "
+                   f"unless compile_timeout_s is raised")
+        with self._lock:
+            self.stats["timeouts"] += 1
+            shape = spec_shape(spec, name)
+            self._timed_out[shape] = (timeout, message)
+            self._timed_out.move_to_end(shape)
+            while len(self._timed_out) > self.cache_size:
+                self._timed_out.popitem(last=False)
+        logger.warning("%s", message)
+        return GrammarError(message, backend=name, reason="timeout")
+
     def _cache_put(self, key: CacheKey, compiled: CompiledGrammar) -> None:
         """Cache a finished compile, least recently used out first (caller holds the lock)."""
         self.stats["compiles"] += 1
         self._cache[key] = compiled
         self._cache.move_to_end(key)
         while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+            self._retire(self._cache.popitem(last=False)[1].gid)
 
-    def _remember_timeout(self, key: CacheKey, spec: OutputSpec, name: str,
-                          thread: threading.Thread) -> _TimedOut:
-        """Record an abandoned compile (caller holds ``self._lock``)."""
-        error = GrammarError(f"{name}: compiling the {spec.kind} spec took longer than "
-                             f"{self.compile_timeout_s:g} s (abandoned; a retry of this spec is "
-                             f"refused at once while that compile still runs)", backend=name, reason="timeout")
-        entry = self._timed_out[key] = _TimedOut(error, thread)
-        self.stats["timeouts"] += 1
-        return entry
-
-    def abandoned_running(self) -> int:
-        """Abandoned compiles whose threads still run (each holds a core while it spins)."""
+    def evict(self, compiled: CompiledGrammar) -> None:
+        """Drop ``compiled`` from the cache: the next request with its spec compiles afresh."""
         with self._lock:
-            return sum(v.thread.is_alive() for v in self._timed_out.values())
+            key = self.cache_key(compiled.spec, compiled.backend)
+            if self._cache.get(key) is compiled:
+                del self._cache[key]
+                self.stats["evictions"] += 1
+                logger.warning("%s grammar of a %s spec evicted after a matcher failure: the next request "
+                               "with it compiles afresh", compiled.backend, compiled.spec.kind)
+            self._retire(compiled.gid)
 
-    # -- matchers and masks --------------------------------------------------------------
-    def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
-        return self.backend(compiled.backend).new_matcher(compiled)
+    def _retire(self, gid: int) -> None:
+        """``gid`` leaves the workers once no matcher uses it."""
+        with self._lock:
+            self._retired.add(gid)
+            if self._live_per_gid[gid] == 0:
+                self._unload(gid)
+
+    def _unload(self, gid: int) -> None:
+        for client, (epoch, gids) in list(self._loaded.items()):
+            if gid in gids and epoch == client.epoch:
+                gids.discard(gid)
+                self._queued[client].append(("unload", gid))
+        self._retired.discard(gid)
 
     def matches(self, compiled: CompiledGrammar, text: str) -> bool:
-        """``text`` is a complete match of the compiled grammar."""
-        return self.backend(compiled.backend).matches(compiled, text)
+        """``text`` is a complete match of the compiled grammar (checked in a compile worker;
+        GrammarError if that overruns ``compile_timeout_s``)."""
+        name = compiled.backend
+        client = self._checkout_compiler(name)
+        try:
+            items = [] if compiled.gid in self._loaded_in(client) else [
+                ("load", compiled.gid, compiled.payload, portable(compiled.spec))]
+            items.append(("matches", compiled.gid, text))
+            try:
+                outcome = client.call(items, [self.compile_timeout_s] * len(items))
+            except WorkerFailure as e:
+                raise GrammarError(f"{name}: checking a finished output against the {compiled.spec.kind} spec "
+                                   f"failed: {e}", backend=name, reason="worker failure") from None
+            if len(items) == 2 and outcome[0][0]:
+                self._loaded_in(client).add(compiled.gid)
+            ok, value = outcome[-1]
+            if not ok:  # the worker dropped its copy (a broken one): the next check rebuilds it
+                self._loaded_in(client).discard(compiled.gid)
+                raise GrammarError(f"{name}: checking a finished output failed: {value[1]}", backend=name,
+                                   reason=value[1])
+            return bool(value)
+        finally:
+            self._release_compiler(name, client)
 
+    # -- matchers ------------------------------------------------------------------------
+    def new_matcher(self, compiled: CompiledGrammar, mask_timeout_s: float | None = None) -> MatcherHandle:
+        """A matcher at the grammar's start (made in its worker on first use)."""
+        clients = self._maskers_for(compiled.backend)
+        with self._lock:
+            i = self._next_masker.get(compiled.backend, 0)
+            self._next_masker[compiled.backend] = (i + 1) % len(clients)
+            live = _Live(next(self._mids), compiled.gid, clients[i])
+            self._live_per_gid[compiled.gid] += 1
+        h = MatcherHandle(self, compiled, live, float(mask_timeout_s or self.mask_timeout_s))
+        weakref.finalize(h, self._released.append, live)
+        return h
+
+    def release(self, h: MatcherHandle) -> None:
+        """The request is done with its matcher (thread-safe; the worker drops it later)."""
+        self._released.append(h.live)
+
+    def _prologue(self, client: Any) -> list[tuple]:
+        """Drops and unloads owed to ``client``, sent ahead of its next batch."""
+        with self._lock:
+            while self._released:
+                live = self._released.popleft()
+                if live.released:
+                    continue
+                live.released = True
+                if live.epoch == live.client.epoch and live.epoch:
+                    self._queued[live.client].append(("drop", live.mid))
+                self._live_per_gid[live.gid] -= 1
+                if self._live_per_gid[live.gid] <= 0:
+                    del self._live_per_gid[live.gid]
+                    if live.gid in self._retired:
+                        self._unload(live.gid)
+            return self._queued.pop(client, [])
+
+    def _fail(self, h: MatcherHandle, reason: str, evict: bool = True) -> None:
+        if h.failure is None:
+            h.failure = reason
+            if evict:
+                self.evict(h.compiled)
+
+    def _run(self, entries: list[_Entry]) -> list[_Entry]:
+        batch = _Batch(self, entries)
+        try:
+            batch.submit()
+            batch.collect()
+        except BaseException:
+            batch.abandon()
+            raise
+        return entries
+
+    def _single(self, h: MatcherHandle, item: tuple) -> Any:
+        """One operation on one matcher, and its state after it: one round trip."""
+        e, s = self._run([_Entry(h, item, h.mask_timeout_s), _Entry(h, ("state",), h.mask_timeout_s)])
+        if not e.ok:
+            raise GrammarError(f"{h.backend_name}: {e.value}", backend=h.backend_name, reason=e.value)
+        if item[0] == "accept" and e.value:
+            h.history.extend(item[1])
+        elif item[0] == "rollback" and item[1] > 0:
+            del h.history[len(h.history) - item[1]:]
+        if s.ok:
+            h.finished, h.can_end_now, _ = s.value
+        return e.value
+
+    def advance(self, items: Sequence[tuple[MatcherHandle, Sequence[int], int, Sequence[int]]]) -> list[Advance | None]:
+        """For each ``(handle, tokens, room, stop_ids)``: accept ``tokens``, then up to ``room``
+        forced tokens (cut after the first of ``stop_ids``); one round trip per worker for
+        all of them. None where the handle failed (``handle.failure`` says why)."""
+        entries = [_Entry(h, ("advance", list(toks), int(room), tuple(stop)), h.mask_timeout_s)
+                   for h, toks, room, stop in items]
+        out: list[Advance | None] = []
+        for en in self._run(entries):
+            h = en.handle
+            if not en.ok:
+                out.append(None)
+                continue
+            a = Advance._make(en.value)
+            if a.accepted:
+                h.history.extend(en.item[1])
+                h.history.extend(a.forced)
+                h.finished, h.can_end_now = a.finished, a.can_end
+            if a.error is not None:
+                self._fail(h, a.error)
+                out.append(None)
+                continue
+            out.append(a)
+        return out
+
+    # -- masks ---------------------------------------------------------------------------
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """``[rows, ceil(vocab/32)]`` int32, all bits set (= no constraint)."""
-        return allocate_bitmask(rows, self.vocab_size)
+        return torch.from_numpy(allocate_bitmask(rows, self.vocab_size))
 
-    def fill_bitmask(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
-        """Fill only the given rows; other rows keep their contents (e.g. -1 for free rows)."""
-        by_backend: dict[str, list[tuple[int, GrammarMatcher]]] = {}
-        for row, m in rows_and_matchers:
-            by_backend.setdefault(m.backend_name, []).append((row, m))
-        for name, group in by_backend.items():
-            self.backend(name).fill_bitmasks(group, bitmask)
+    def step_bitmask(self, rows: int) -> torch.Tensor:
+        """A bitmask of ``rows`` rows, all bits set, in the memory the mask workers write to:
+        the engine's per-step bitmask (valid until the next call)."""
+        self._ensure_rows(rows)
+        view = self._bitmask_t[:rows]
+        view.fill_(-1)
+        return view
+
+    def _ensure_rows(self, rows: int) -> None:
+        if rows <= self._bitmask.rows:
+            return
+        # Rare (the engine sizes it to max_num_seqs): a bigger buffer, and mask workers
+        # restarted to map it; their matchers are rebuilt on next use.
+        with self._lock:
+            old = self._bitmask
+            self._bitmask = SharedBitmask(max(rows, 2 * old.rows), self.width)
+            self._bitmask_t = torch.from_numpy(self._bitmask.array)
+            for clients in self._maskers.values():
+                for c in clients:
+                    c.kill()
+                    c.bitmask = self._bitmask
+            old.close()
+
+    def fill_bitmask_async(self, rows_and_handles: Sequence[tuple[int, MatcherHandle]],
+                           bitmask: torch.Tensor | np.ndarray | None = None) -> PendingMasks:
+        """Start filling ``bitmask[row]`` for each ``(row, handle)``; rows not listed keep their
+        contents. ``bitmask`` from ``step_bitmask`` is written in place; another tensor or
+        array gets the rows copied in by ``wait()``."""
+        rows = list(rows_and_handles)
+        if not rows:
+            return PendingMasks(self, None, rows, bitmask)
+        self._ensure_rows(max(r for r, _ in rows) + 1)
+        batch = _Batch(self, [_Entry(h, ("fill", row), h.mask_timeout_s) for row, h in rows])
+        try:
+            batch.submit()
+        except BaseException:
+            batch.abandon()
+            raise
+        return PendingMasks(self, batch, rows, bitmask)
+
+    def fill_bitmask(self, rows_and_handles: Sequence[tuple[int, MatcherHandle]],
+                     bitmask: torch.Tensor | np.ndarray | None = None) -> list[MatcherHandle]:
+        return self.fill_bitmask_async(rows_and_handles, bitmask).wait()
+
+    def _finish_fill(self, rows: list[tuple[int, MatcherHandle]], dest: Any) -> list[MatcherHandle]:
+        shared = self._bitmask.array
+        idx = np.fromiter((r for r, _ in rows), dtype=np.int64, count=len(rows))
+        # A row that allows no token at all (xgrammar's mask at a dead end of the spec, where
+        # llguidance allows EOS only): sampling it would pick from -inf everywhere.
+        empty = ~shared[idx].any(axis=1)
+        failed = []
+        for (row, h), no_token in zip(rows, empty):
+            if h.failure is None and no_token:
+                h.dead_end = True
+                self._fail(h, f"{h.backend_name}: the mask allowed no token at all", evict=False)
+            if h.failure is not None:
+                shared[row] = -1  # any row will do: the request fails after this step
+                failed.append(h)
+        if dest is not None and not (isinstance(dest, torch.Tensor) and dest.data_ptr() == shared.ctypes.data):
+            src = torch.from_numpy(shared[idx])
+            if isinstance(dest, torch.Tensor):
+                dest[torch.from_numpy(idx)] = src.to(dest.device)
+            else:
+                dest[idx] = shared[idx]
+        return failed
+
+    # -- end -----------------------------------------------------------------------------
+    def abandon_all(self) -> None:
+        """Kill the mask workers (their state is unknown after an interrupted step); every
+        matcher is rebuilt from its history on next use."""
+        for clients in self._maskers.values():
+            for c in clients:
+                c.kill()
+
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            clients = [c for cs in list(self._compilers.values()) + list(self._maskers.values()) for c in cs]
+        return [c.pid for c in clients if c.alive and c.pid is not None]
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        GrammarManager._close_all(self._compilers, self._maskers, self._bitmask)
+
+    @staticmethod
+    def _close_all(compilers: dict, maskers: dict, bitmask: SharedBitmask) -> None:
+        for clients in list(compilers.values()) + list(maskers.values()):
+            for c in clients:
+                c.close()
+        bitmask.close()

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -22,11 +23,14 @@ from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
 from .finite_output import rules_without_finite_text
 from .gbnf import gbnf_for_backend
+from .tokenizer_data import JsonTokenizer, TokenizerData
 from .xgrammar_gaps import unsupported_schema_features, xgrammar_regex
+from .xgrammar_rewrite import ebnf_with_string_escapes, rewrite_schema
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["XGrammarBackend", "XGrammarMatcher", "unsupported_schema_features"]
+__all__ = ["XGrammarBackend", "XGrammarMatcher", "tokenizer_info", "unsupported_schema_features"]
+
 
 class XGrammarMatcher(GrammarMatcher):
     backend_name = "xgrammar"
@@ -53,12 +57,12 @@ class XGrammarMatcher(GrammarMatcher):
             self._finished = None
         return True
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         if self._m.is_terminated():
             # xgrammar refuses to compute a mask after EOS; allow EOS only, like llguidance.
-            self._backend.eos_only_row(bitmask, row)
+            bitmask[row] = self._backend.eos_row
         else:
-            self._m.fill_next_token_bitmask(bitmask, row)
+            self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
 
     def forced_tokens(self) -> list[int]:
         if self._m.is_terminated():
@@ -102,16 +106,13 @@ class XGrammarMatcher(GrammarMatcher):
             self._finished = None
 
 
-def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> xgr.TokenizerInfo:
+def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: list[int], special: set[int]) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary, with special tokens as special. from_huggingface
     keeps their literal text ("<|im_start|>"), so a string or a regex class could take one
     as those characters (and EOS as text in "[^b]+" let an output end before the regex
     did), while the detokenizer drops special tokens from the text: what the grammar saw
     is not what the Result shows. An empty string is how xgrammar marks a special token."""
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
-    special = set(getattr(tokenizer, "all_special_ids", ()))
-    special.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
-    special = {i for i in special if 0 <= i < vocab_size}
     if not special:
         return info
     vocab = [""] * vocab_size
@@ -125,11 +126,13 @@ def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None,
-                 num_threads: int = 2, lazy_masks: bool = True):
-        super().__init__(tokenizer, vocab_size, eos_token_ids)
+    def __init__(self, tokenizer: TokenizerData, num_threads: int = 1, lazy_masks: bool = True):
+        super().__init__(tokenizer)
+        if tokenizer.xgrammar_info is None:
+            raise ValueError("TokenizerData.xgrammar_info is missing (TokenizerData.with_xgrammar_info)")
         self.width = bitmask_width(self.vocab_size)
-        self.tokenizer_info = _tokenizer_info(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.tokenizer_info = xgr.TokenizerInfo.deserialize_json(tokenizer.xgrammar_info)
+        self.tokenizer = JsonTokenizer(tokenizer.tokenizer_json)  # for encode_continuation
         # The manager keeps its own LRU cache; xgrammar's would grow without bound.
         # lazy_masks: build each parser state's token-mask cache on first use instead of
         # precomputing all of them at compile time. Eager compilation of large real-world
@@ -137,22 +140,18 @@ class XGrammarBackend(GrammarBackend):
         # lazily, compile is milliseconds and the first mask of a new state pays instead.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max(1, num_threads),
                                              cache_enabled=False, enable_dynamic_compilation=lazy_masks)
-        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, num_threads))
-        self._eos_row = torch.zeros(self.width, dtype=torch.int32)
+        self.eos_row = np.zeros(self.width, dtype=np.uint32)  # allows EOS only
         for t in self.eos_token_ids:
             if t < self.vocab_size:
-                word = int(self._eos_row[t // 32]) | (1 << (t % 32))
-                self._eos_row[t // 32] = word - (1 << 32) if word >= 1 << 31 else word
-
-    def eos_only_row(self, bitmask: torch.Tensor, row: int) -> None:
-        bitmask[row].copy_(self._eos_row)
+                self.eos_row[t // 32] |= np.uint32(1 << (t % 32))
+        self.eos_row = self.eos_row.view(np.int32)
 
     def compile(self, spec: OutputSpec) -> CompiledGrammar:
         t0 = time.perf_counter()
         warnings: list[str] = []
         if spec.kind == "json_schema":
-            schema = json.loads(spec.text)
-            warnings = list(dict.fromkeys(unsupported_schema_features(schema)))  # a $ref'd part once
+            schema, notes = rewrite_schema(json.loads(spec.text))  # to JSON Schema's meaning where it can
+            warnings = list(dict.fromkeys(unsupported_schema_features(schema) + notes))  # a $ref'd part once
             if warnings:
                 msg = "ignores " + ", ".join(warnings)
                 if spec.strict:
@@ -174,16 +173,24 @@ class XGrammarBackend(GrammarBackend):
             raise self._error(spec, str(e).strip()) from e
         return CompiledGrammar(self.name, spec, handle, time.perf_counter() - t0, warnings)
 
+    def load(self, payload: str, spec: OutputSpec) -> CompiledGrammar:
+        # Compiling again (milliseconds, masks being lazy) beats shipping the compiled
+        # grammar: its serialize_json takes ~1 s and megabytes for an ordinary schema.
+        regex = xgrammar_regex(spec.text, spec.strict, []) if spec.kind == "regex" else None
+        return CompiledGrammar(self.name, spec, self._compile(spec, regex))
+
     def _compile(self, spec: OutputSpec, regex: str | None) -> xgr.CompiledGrammar:
         """``regex``: a regex spec's pattern as ``xgrammar_regex`` rewrote it (None otherwise)."""
         c = self._compiler
         if spec.is_json:
-            return c.compile_json_schema(
-                spec.text, any_whitespace=spec.whitespace,
-                separators=None if spec.whitespace else (",", ":"),
+            text = json.dumps(rewrite_schema(json.loads(spec.text))[0]) if spec.kind == "json_schema" else spec.text
+            grammar = xgr.Grammar.from_json_schema(
+                text, any_whitespace=spec.whitespace, separators=None if spec.whitespace else (",", ":"),
                 # strict_mode=True would forbid additional properties the schema allows;
                 # we keep JSON Schema semantics, the same as llguidance.
                 strict_mode=False)
+            mended = ebnf_with_string_escapes(str(grammar))  # escapes in length-bounded strings
+            return c.compile_grammar(xgr.Grammar.from_ebnf(mended) if mended else grammar)
         if spec.kind == "regex":
             return c.compile_regex(regex)
         if spec.kind == "lark":
@@ -218,17 +225,3 @@ class XGrammarBackend(GrammarBackend):
     def matches(self, compiled: CompiledGrammar, text: str) -> bool:
         m = self.new_matcher(compiled).raw
         return (not text or m.accept_string(text)) and m.is_completed()
-
-    def fill_bitmasks(self, rows_and_matchers: Sequence[tuple[int, GrammarMatcher]], bitmask: torch.Tensor) -> None:
-        live = []
-        for row, m in rows_and_matchers:
-            if m.raw.is_terminated():  # type: ignore[attr-defined]
-                self.eos_only_row(bitmask, row)
-            else:
-                live.append((row, m))
-        if len(live) == 1:
-            live[0][1].fill_bitmask(bitmask, live[0][0])
-        elif live:
-            # C++ thread pool, GIL released.
-            self._batch.batch_fill_next_token_bitmask(
-                [m.raw for _, m in live], bitmask, [row for row, _ in live])  # type: ignore[attr-defined]

@@ -64,6 +64,8 @@ def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
             found.append(f"{path}/multipleOf (only enforced for integers)")
         elif {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & schema.keys():
             found.append(f"{path}/multipleOf (ignored together with a range)")
+    if "format" in schema and "pattern" in schema:
+        found.append(f"{path}/pattern (ignored next to format)")
     if ("format" in schema or "pattern" in schema) and ({"minLength", "maxLength"} & schema.keys()):
         found.append(f"{path}/minLength/maxLength (ignored with format or pattern)")
     scalar = sorted(_SCALAR_KEYWORDS & schema.keys())

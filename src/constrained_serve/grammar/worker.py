@@ -1,0 +1,415 @@
+"""Grammar engines in worker processes, where a runaway can be killed.
+
+Neither grammar engine can be interrupted: llguidance 1.9 spins for ever on some grammars
+(holding the GIL in ``compute_ff_tokens``, growing ~10 MB/s in ``compute_mask``), xgrammar's
+jump-forward search can too. A thread cannot be stopped, so every call into them runs in a
+worker process (``python -m constrained_serve.grammar.worker``) that the engine kills when an
+item of work overruns its deadline, and starts afresh. The memory of a killed worker comes
+back to the system at once; nothing it did can hang or poison the engine's process.
+
+Protocol, over a Unix socket pair (``multiprocessing.connection.Connection`` framing):
+``("init", backend, TokenizerData, options, rows)`` -> ``("ready", pid)``, then
+``(seq, items)`` -> ``(results, log records)`` for ever (items and results: ``host.py``). Before
+each item the worker stamps ``(seq, item index, start time)`` into a small shared page, so
+``WorkerClient.collect`` can tell which item overran and by how much. Mask workers also map
+the engine's bitmask (``SharedBitmask``) and write mask rows straight into it.
+
+What it costs (``benchmarks/masks.py``): one round trip per batch of items, about
+100-200 us on the 2-core CI machine, instead of a function call.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SharedBitmask", "WorkerClient", "WorkerFailure", "collect_all"]
+
+_PROGRESS = struct.Struct("<qqd")  # seq, item index (-1: not started; n: all done), start (monotonic)
+_PAGE = mmap.PAGESIZE
+
+
+class WorkerFailure(Exception):
+    """A worker overran an item's deadline (``overrun``), died, or could not start.
+    ``index`` is the item it was running (-1: none, or unknown)."""
+
+    def __init__(self, message: str, index: int = -1, overrun: bool = False):
+        super().__init__(message)
+        self.index = index
+        self.overrun = overrun
+
+
+def _shared_file(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
+    """An anonymous file of ``nbytes`` mapped here; its fd is handed to workers (pass_fds)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(name, 0)
+    else:  # not Linux: an unlinked temporary file does the same
+        f = tempfile.TemporaryFile(prefix=name)
+        fd = os.dup(f.fileno())
+        f.close()
+    os.ftruncate(fd, max(nbytes, 1))
+    return fd, mmap.mmap(fd, max(nbytes, 1))
+
+
+class SharedBitmask:
+    """The step's bitmask ``[rows, width]`` int32, in memory the mask workers write into."""
+
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = int(rows), int(width)
+        self.fd, self._map = _shared_file(self.rows * self.width * 4, "cs-bitmask")
+        self.array = np.ndarray((self.rows, self.width), dtype=np.int32, buffer=self._map)
+        self.array.fill(-1)
+
+    def close(self) -> None:
+        # Once only: a closed fd number is soon another file's (a double close closes that).
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class _Launcher:
+    """Starts every worker from one long-lived daemon thread. A worker asks the kernel to
+    SIGKILL it when its parent dies (PR_SET_PDEATHSIG), which on Linux means the thread that
+    started it: a caller's short-lived thread would take the worker with it."""
+
+    _lock = threading.Lock()
+    _queue: "queue.Queue[tuple[list[str], dict[str, Any], queue.Queue]] | None" = None
+
+    @classmethod
+    def popen(cls, argv: list[str], **kw: Any) -> subprocess.Popen:
+        with cls._lock:
+            if cls._queue is None:
+                cls._queue = queue.Queue()
+                threading.Thread(target=cls._serve, args=(cls._queue,), name="grammar-worker-launcher",
+                                 daemon=True).start()
+        reply: queue.Queue = queue.Queue()
+        cls._queue.put((argv, kw, reply))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    @staticmethod
+    def _serve(q: queue.Queue) -> None:
+        while True:
+            argv, kw, reply = q.get()
+            try:
+                reply.put((True, subprocess.Popen(argv, **kw)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                reply.put((False, e))
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The package as this process imports it (a source checkout on sys.path included).
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # One thread each: the worker's work is sequential, the cores belong to the forward.
+    env.update(OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _forward_stderr(stream: Any, label: str) -> None:
+    with stream:
+        for raw in stream:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if line:
+                logger.debug("%s grammar worker: %s", label, line)
+
+
+class WorkerClient:
+    """The engine's side of one worker process: start, send a batch, collect it under
+    per-item deadlines, kill. Not thread-safe: one caller at a time (the manager's lock)."""
+
+    def __init__(self, backend: str, tokenizer: Any, options: dict[str, Any] | None = None,
+                 bitmask: SharedBitmask | None = None, label: str = "", start_timeout_s: float = 120.0,
+                 reply_timeout_s: float = 30.0):
+        self.backend = backend
+        self.label = label or backend
+        self._tokenizer = tokenizer  # TokenizerData
+        self._options = dict(options or {})
+        self.bitmask = bitmask
+        self.start_timeout_s = start_timeout_s
+        self.reply_timeout_s = reply_timeout_s  # for the reply itself, once the last item is done
+        self.epoch = 0  # +1 per start: matchers created in an older epoch are gone
+        self.starts = 0
+        self.kills = 0
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._progress_fd, self._progress = _shared_file(_PAGE, "cs-progress")
+        self._seq = 0
+        self._sent: tuple[int, list[float], float] | None = None  # seq, deadlines, send time
+        self._start_lock = threading.Lock()  # a warm-up thread may be starting it
+
+    # -- life ----------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def busy(self) -> bool:
+        return self._sent is not None
+
+    def start(self) -> None:
+        """Start the process (if not running) and wait until its backend is built."""
+        with self._start_lock:
+            if not self.alive:
+                self._start()
+
+    def _start(self) -> None:
+        self.kill()
+        ours, theirs = socket.socketpair()
+        fds = [theirs.fileno(), self._progress_fd] + ([self.bitmask.fd] if self.bitmask else [])
+        argv = [sys.executable, "-m", "constrained_serve.grammar.worker", str(os.getpid())] + [str(f) for f in fds]
+        try:
+            self._proc = _Launcher.popen(argv, pass_fds=fds, env=_worker_env(), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        finally:
+            theirs.close()
+        # What the engines print (xgrammar's C++ warnings, a crash's last words) goes to
+        # logging rather than to the user's terminal; read by a thread so the pipe never fills.
+        threading.Thread(target=_forward_stderr, args=(self._proc.stderr, self.label), daemon=True,
+                         name=f"grammar-worker-stderr-{self._proc.pid}").start()
+        self._conn = Connection(ours.detach())
+        self.epoch += 1
+        self.starts += 1
+        _PROGRESS.pack_into(self._progress, 0, -1, -1, 0.0)
+        rows = (self.bitmask.rows, self.bitmask.width) if self.bitmask else None
+        try:
+            self._conn.send(("init", self.backend, self._tokenizer, self._options, rows))
+            reply = self._recv_within(self.start_timeout_s, "start")
+        except BaseException:
+            self.kill()
+            raise
+        if reply[0] != "ready":
+            self.kill()
+            raise WorkerFailure(f"the {self.label} grammar worker could not start:\n{reply[1]}")
+        logger.debug("%s grammar worker started (pid %d)", self.label, self._proc.pid)
+
+    def _recv_within(self, timeout_s: float, what: str) -> Any:
+        end = time.monotonic() + timeout_s
+        while not self._conn.poll(0.05):
+            if not self.alive:
+                raise WorkerFailure(f"the {self.label} grammar worker exited during {what} "
+                                    f"(exit code {self._proc.returncode})")
+            if time.monotonic() > end:
+                raise WorkerFailure(f"the {self.label} grammar worker did not answer within {timeout_s:g} s ({what})")
+        return self._conn.recv()
+
+    def kill(self) -> None:
+        """SIGKILL the process (its memory comes back at once). The next ``start`` is a new epoch."""
+        self._sent = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self.kills += 1
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                logger.error("%s grammar worker (pid %d) survived SIGKILL for 10 s", self.label, self._proc.pid)
+            self._proc = None
+
+    def close(self) -> None:
+        self.kill()
+        fd, self._progress_fd = self._progress_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    # -- work ----------------------------------------------------------------------------
+    def submit(self, items: list[tuple], deadlines: Sequence[float]) -> None:
+        """Send a batch; ``deadlines[i]``: seconds item i may take once it starts."""
+        assert self._sent is None, "collect the previous batch first"
+        self.start()
+        self._seq += 1
+        try:
+            self._conn.send((self._seq, items))
+        except OSError as e:  # the worker died since the last batch
+            self.kill()
+            raise WorkerFailure(f"the {self.label} grammar worker is gone ({e})") from e
+        self._sent = (self._seq, list(deadlines), time.monotonic())
+
+    def call(self, items: list[tuple], deadlines: Sequence[float]) -> list[tuple[bool, Any]]:
+        """Send and collect one batch; raises WorkerFailure if the worker overran or died."""
+        self.submit(items, deadlines)
+        [out] = collect_all([self])
+        if isinstance(out, WorkerFailure):
+            raise out
+        return out
+
+    def _progress_now(self) -> tuple[int, int, float]:
+        while True:  # the worker may be writing: read until two reads agree
+            a = _PROGRESS.unpack_from(self._progress, 0)
+            if a == _PROGRESS.unpack_from(self._progress, 0):
+                return a
+
+    def _time_left(self, now: float) -> tuple[float, int]:
+        """Seconds before this batch overruns, and the item that would overrun."""
+        seq, deadlines, sent_at = self._sent
+        got_seq, index, started = self._progress_now()
+        if got_seq != seq or index < 0:  # still reading the batch: look again soon, to see item 0 start
+            return min(sent_at + self.reply_timeout_s - now, 0.005), -1
+        if index >= len(deadlines):  # all done, the reply is on its way
+            return started + self.reply_timeout_s - now, -1
+        return started + deadlines[index] - now, index
+
+    def _receive(self) -> list[tuple[bool, Any]]:
+        try:
+            results, records = self._conn.recv()
+        except (EOFError, OSError) as e:
+            index = self._progress_now()[1]
+            self.kill()
+            raise WorkerFailure(f"the {self.label} grammar worker died ({e})", index=index) from e
+        self._sent = None
+        for r in records:  # the worker's log records, through this process's logging
+            logging.getLogger(r[0]).log(r[1], "grammar worker: %s", r[2])
+        return results
+
+    def _overrun(self, index: int) -> WorkerFailure:
+        seq, deadlines, _ = self._sent
+        limit = deadlines[index] if 0 <= index < len(deadlines) else self.reply_timeout_s
+        self.kill()
+        return WorkerFailure(f"the {self.label} grammar worker overran its deadline of {limit:g} s "
+                             f"(item {index}); killed", index=index, overrun=True)
+
+
+def collect_all(clients: Sequence[WorkerClient]) -> list[list[tuple[bool, Any]] | WorkerFailure]:
+    """Wait for the batches sent to ``clients``, each under its own per-item deadlines. A
+    worker that overruns or dies is killed and gets a ``WorkerFailure`` in its place; any
+    other exception (Ctrl-C) kills every worker still busy, whose state is then unknown."""
+    out: dict[int, Any] = {i: c.take() for i, c in enumerate(clients) if getattr(c, "inline", False)}
+    try:
+        while len(out) < len(clients):
+            now = time.monotonic()
+            waiting: list = []
+            timeout = 0.25
+            for i, c in enumerate(clients):
+                if i in out:
+                    continue
+                left, index = c._time_left(now)
+                if left <= 0:
+                    out[i] = c._overrun(index)
+                    continue
+                if not c.alive and not c._conn.poll(0):
+                    c.kill()
+                    out[i] = WorkerFailure(f"the {c.label} grammar worker died (item {index})", index=index)
+                    continue
+                waiting.append(c._conn)
+                timeout = min(timeout, left)
+            if not waiting:
+                break
+            ready = wait(waiting, timeout=max(timeout, 0.0))
+            for i, c in enumerate(clients):
+                if i not in out and c._conn is not None and c._conn in ready:
+                    try:
+                        out[i] = c._receive()
+                    except WorkerFailure as e:
+                        out[i] = e
+    except BaseException:
+        for i, c in enumerate(clients):
+            if i not in out and c.busy:
+                c.kill()
+        raise
+    return [out[i] for i in range(len(clients))]
+
+
+# ---------------------------------------------------------------------------- the process
+class _Records(logging.Handler):
+    """Collects the worker's log records; each reply carries them to the engine's logging."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.name, record.levelno, record.getMessage()))
+
+    def take(self) -> list[tuple[str, int, str]]:
+        out, self.records = self.records, []
+        return out
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the engine's process dies, however it dies (Linux), and
+    check by polling elsewhere (a runaway that holds the GIL stops only the polling)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str]) -> None:
+    parent, sock_fd, progress_fd = int(argv[0]), int(argv[1]), int(argv[2])
+    bitmask_fd = int(argv[3]) if len(argv) > 3 else -1
+    _die_with_parent(parent)
+    records = _Records()
+    root = logging.getLogger("constrained_serve")
+    root.addHandler(records)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    conn = Connection(sock_fd)
+    progress = mmap.mmap(progress_fd, _PAGE)
+    try:
+        _, backend_name, tokenizer, options, rows = conn.recv()
+        from .host import FaultPlan, MatcherHost, make_backend
+
+        backend = make_backend(backend_name, tokenizer, **options)
+        bitmask = None
+        if rows is not None:
+            bitmask = np.ndarray(rows, dtype=np.int32, buffer=mmap.mmap(bitmask_fd, rows[0] * rows[1] * 4))
+        host = MatcherHost(backend, bitmask, FaultPlan.from_env())
+    except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            seq, items = conn.recv()
+        except (EOFError, OSError):
+            return  # the engine closed the connection: done
+
+        def stamp(i: int, seq: int = seq) -> None:
+            _PROGRESS.pack_into(progress, 0, seq, i, time.monotonic())
+
+        results = host.run(items, stamp)
+        stamp(len(items))
+        conn.send((results, records.take()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
