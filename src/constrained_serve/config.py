@@ -32,7 +32,7 @@ class EngineConfig:
     # Grammar work runs in worker processes that are killed when it overruns these deadlines
     # (SamplingParams can set them per request); "inline" runs it in this process, unbounded.
     grammar_compile_timeout_s: float = 10.0
-    grammar_mask_timeout_s: float = 0.5
+    grammar_mask_timeout_s: float | None = None  # None: 0.5 s with llguidance, 3 s with xgrammar
     grammar_isolation: str = "process"  # "process" | "inline"
 
     def __post_init__(self) -> None:
@@ -61,6 +61,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), got {self.max_model_len}")
         for name in ("grammar_compile_timeout_s", "grammar_mask_timeout_s"):
+            if getattr(self, name) is None and name == "grammar_mask_timeout_s":
+                continue
             if not (isinstance(getattr(self, name), (int, float)) and 0 < getattr(self, name) <= 3600):
                 raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {getattr(self, name)!r}")
         if self.grammar_isolation not in ("process", "inline"):

@@ -45,7 +45,7 @@ class SamplingParams:
     # KV through the prefix cache. The Result carries the first; Result.samples all n.
     n: int = 1
     # Deadlines of this request's grammar work (None: the engine's grammar_compile_timeout_s,
-    # 10 s, and grammar_mask_timeout_s, 0.5 s). A compile, or one step's matcher work (a mask,
+    # 10 s, and grammar_mask_timeout_s: 0.5 s with llguidance, 3 s with xgrammar). A compile, or one step's matcher work (a mask,
     # accepting the sampled token, the forced tokens), that runs longer is killed and the
     # request fails alone with a GrammarError; the rest of the batch goes on.
     compile_timeout_s: float | None = None

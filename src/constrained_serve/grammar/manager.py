@@ -5,7 +5,7 @@ Two kinds of worker per backend (``worker.py``): compile workers (up to ``max_wo
 specs and check finished outputs (``matches``); mask workers (``mask_threads`` of them) hold
 the requests' matchers and write mask rows into the shared step bitmask. A compile that
 overruns ``compile_timeout_s``, or a matcher operation that overruns its request's
-``mask_timeout_s``, gets its worker killed (its memory comes back) and restarted; the request
+``mask_timeout_s`` (by default 0.5 s with llguidance, 3 s with xgrammar), gets its worker killed (its memory comes back) and restarted; the request
 it was working for fails alone with a ``GrammarError`` naming the cause. The other matchers of a
 killed mask worker are rebuilt in the new one from the tokens they had accepted (``history``),
 lazily, the next time they are used, and their work is retried.
@@ -58,6 +58,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["Advance", "BACKENDS", "GrammarManager", "MatcherHandle", "spec_shape"]
 
 BACKENDS = ("llguidance", "xgrammar")
+# Default deadline of one request's grammar work in a step, per backend. llguidance fills a
+# mask in microseconds (p99 0.13 ms, max 1.3 ms over JSONSchemaBench on the 2-core CI box);
+# xgrammar builds each parser state's mask lazily, the first time it is met: p99 100 ms,
+# and up to 1.3 s for the largest schemas there (benchmarks/masks.py).
+MASK_TIMEOUTS_S = {"llguidance": 0.5, "xgrammar": 3.0}
 CacheKey = tuple[str, str, str, bool, bool]
 
 
@@ -73,13 +78,13 @@ class GrammarManager:
     def __init__(self, tokenizer: Any, vocab_size: int, default_backend: str = "llguidance",
                  max_workers: int = 2, cache_size: int = 256, eos_token_ids: Sequence[int] | None = None,
                  compile_timeout_s: float = 10.0, backend_options: dict[str, dict[str, Any]] | None = None,
-                 mask_threads: int | None = None, mask_timeout_s: float = 0.5, isolation: str = "process",
+                 mask_threads: int | None = None, mask_timeout_s: float | None = None, isolation: str = "process",
                  max_rows: int = 64):
         if default_backend not in BACKENDS:
             raise ValueError(f"default_backend must be one of {BACKENDS}, got {default_backend!r}")
         if isolation not in ("process", "inline"):
             raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
-        for name, v in (("compile_timeout_s", compile_timeout_s), ("mask_timeout_s", mask_timeout_s)):
+        for name, v in (("compile_timeout_s", compile_timeout_s), ("mask_timeout_s", mask_timeout_s or 1.0)):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
         self.tokenizer = tokenizer
@@ -90,7 +95,8 @@ class GrammarManager:
         self.eos_token_ids = list(self.tokenizer_data.eos_token_ids)
         self.cache_size = int(cache_size)
         self.compile_timeout_s = float(compile_timeout_s)
-        self.mask_timeout_s = float(mask_timeout_s)
+        # None: each backend's own (MASK_TIMEOUTS_S)
+        self.mask_timeout_s = float(mask_timeout_s) if mask_timeout_s is not None else None
         self.isolation = isolation
         self._max_compilers = max(1, int(max_workers))
         # Mask workers per backend (None: max_workers). A request's matcher lives in one of
@@ -353,7 +359,8 @@ class GrammarManager:
             self._next_masker[compiled.backend] = (i + 1) % len(clients)
             live = _Live(next(self._mids), compiled.gid, clients[i])
             self._live_per_gid[compiled.gid] += 1
-        h = MatcherHandle(self, compiled, live, float(mask_timeout_s or self.mask_timeout_s))
+        deadline = mask_timeout_s or self.mask_timeout_s or MASK_TIMEOUTS_S[compiled.backend]
+        h = MatcherHandle(self, compiled, live, float(deadline))
         weakref.finalize(h, self._released.append, live)
         return h
 
