@@ -150,3 +150,22 @@ def test_fault_injection_over_200_requests(tiny_llama_dir, monkeypatch):
     assert stats["worker_restarts"] > 0  # stalls did overrun and get killed
     eng.core.check_integrity()
     monkeypatch.delenv(FaultPlan.ENV)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_issue_example_on_the_default_model(default_engine):
+    """#21's report: this call never returned, held the GIL and grew ~10 MB/s."""
+    t0 = time.monotonic()
+    rs = default_engine.generate(["Write letters: ", "Write letters: x", "Give a person as JSON: "],
+                                 SamplingParams(max_tokens=32), grammar=[HANG_AFTER_X, HANG_AFTER_X, None],
+                                 schema=[None, None, PERSON])
+    assert time.monotonic() - t0 < 90
+    for r in rs[:2]:
+        assert (r.finish_reason == "stop" and r.text == "q") or (
+            r.error_type == "GrammarError" and "deadline" in r.error), r
+    assert any(r.error_type == "GrammarError" for r in rs[:2])  # the model writes "x" at least once
+    if rs[2].finish_reason == "stop":
+        jsonschema.validate(rs[2].json, PERSON)
+    else:
+        assert rs[2].error_type == "truncated"

@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .finite_output import rules_without_finite_text
+from .spec import resolve_local_ref
 
 logger = logging.getLogger(__name__)
 
@@ -70,22 +71,6 @@ def never_ending_parts(spec: OutputSpec) -> list[str]:
 
 
 # -- JSON Schema ----------------------------------------------------------------------------
-def _resolve(root: Any, ref: str) -> Any:
-    """A local ``$ref`` target, or None (unknown: counts as able to end)."""
-    if not ref.startswith("#"):
-        return None
-    node = root
-    for part in [p for p in ref[1:].split("/") if p]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def _schema_parts(root: Any) -> list[str]:
     refs: dict[str, Any] = {}  # every $ref target reachable from the root, by pointer
 
@@ -93,7 +78,7 @@ def _schema_parts(root: Any) -> list[str]:
         if isinstance(s, dict):
             ref = s.get("$ref")
             if isinstance(ref, str) and ref not in refs:
-                refs[ref] = _resolve(root, ref)
+                refs[ref] = resolve_local_ref(root, ref)  # None: unknown, counts as able to end
                 collect(refs[ref])
             for v in s.values():
                 collect(v)
