@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for the Triton kernels, runnable as is on a CUDA machine without network:
+#   0. correctness: engine vs HF greedy, token for token (gpu_correctness.py),
 #   1. compile every kernel for this GPU's arch (registers / spills / shared memory),
 #   2. kernels vs torch references on CUDA, and timings vs SDPA / torch sampling,
 #   3. end to end: Engine vs HF generate, Llama-3.2-1B and Llama-3.1-8B shapes, 256 requests.
@@ -45,6 +46,8 @@ if [ "$SMOKE" = 1 ]; then
   run "$PY" benchmarks/gpu_kernels.py --cpu-smoke
   step "compile check, frontend only (no GPU needed)"
   TRITON_INTERPRET=0 run "$PY" benchmarks/compile_check.py --frontend-only --arch 90 --json "$OUT/compile_check.json"
+  step "gpu_correctness.py on a tiny config (CPU): engine vs HF greedy, chunked prefill, preemption, prefix cache, grammars"
+  TRITON_INTERPRET=0 run "$PY" benchmarks/gpu_correctness.py --config tiny-llama --device cpu --dtype float32
   step "gpu_e2e.py on a tiny config (CPU, torch kernels)"
   if "$PY" -c "from constrained_serve import Engine" 2>/dev/null; then
     TRITON_INTERPRET=0 run "$PY" benchmarks/gpu_e2e.py --config tiny-llama --num-requests 6 --prompt-len 8 \
@@ -65,6 +68,10 @@ ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(
 
 step "compile check sm_$ARCH (registers, spills)"
 run "$PY" benchmarks/compile_check.py --arch "$ARCH" --json "$OUT/compile_check.json"
+
+step "correctness first: engine vs HF greedy on the same weights (std 0.2), Llama-3.2-1B shape, llama3 rope"
+run "$PY" benchmarks/gpu_correctness.py --config llama-3.2-1b --dtype float32
+run "$PY" benchmarks/gpu_correctness.py --config llama-3.2-1b --dtype bfloat16
 
 step "kernels vs references on CUDA, and timings"
 run "$PY" benchmarks/gpu_kernels.py

@@ -259,3 +259,18 @@ def test_stray_config_keys_and_mistral_consolidated_files_are_ignored(tmp_path, 
     save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64)}, str(folder / "consolidated.safetensors"))
     reqs, prefill, _ = _our_logits(folder, default_tokenizer, PROMPTS[:1])
     assert (prefill[0] - _hf_logits(folder, reqs[0].token_ids)[-2]).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
+def test_gpu_correctness_script_passes_on_cpu():
+    """benchmarks/gpu_correctness.py (the first step of gpu_check.sh) at a tiny shape: the
+    engine with chunked prefill, preemption and the prefix cache, and JSON requests on both
+    backends, equal HF greedy token for token on weights with real logit gaps (fp32)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_correctness
+
+    assert gpu_correctness.main(["--config", "tiny-llama", "--device", "cpu", "--num-requests", "6",
+                                 "--output-len", "12"]) == 0

@@ -127,7 +127,10 @@ class Engine:
                     cfg = self.config
                     grammar = GrammarManager(self.tokenizer, self.vocab_size, default_backend=cfg.grammar_backend,
                                              eos_token_ids=sorted(self.core.eos_token_ids),
-                                             mask_threads=1 if self.device.type == "cpu" else None,
+                                             # mask workers: on CPU one (the forward has the cores);
+                                             # on CUDA, rows split over up to 8 workers in parallel
+                                             mask_threads=1 if self.device.type == "cpu" else
+                                             min(8, max(2, (os.cpu_count() or 2) // 2)),
                                              compile_timeout_s=cfg.grammar_compile_timeout_s,
                                              mask_timeout_s=cfg.grammar_mask_timeout_s,
                                              isolation=cfg.grammar_isolation, max_rows=cfg.max_num_seqs)

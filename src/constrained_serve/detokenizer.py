@@ -7,9 +7,28 @@ character (U+FFFD).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 _ANCHORS = ("\n", ".")
+
+
+def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
+    """``decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`` of many
+    sequences in one call: the Rust tokenizer's ``decode_batch`` where the Hugging Face
+    tokenizer's own ``_decode`` is the plain one that delegates to it (a call per sequence
+    costs ~10 us of Python around ~1 us of decoding: 5 ms a step at 256 rows), else one call
+    per sequence."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        plain = type(tokenizer)._decode is TokenizersBackend._decode
+    except (ImportError, AttributeError):
+        plain = False
+    if backend is not None and plain:
+        return lambda seqs: backend.decode_batch(seqs, skip_special_tokens=True)
+    return lambda seqs: [tokenizer.decode(s, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                         for s in seqs]
 
 
 def cut_at_stop(text: str, stops: Sequence[str], *, final: bool) -> str:
@@ -43,6 +62,23 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
+        return self._advance(prefix, full)
+
+    @staticmethod
+    def push_many(items: Sequence[tuple["IncrementalDetokenizer", list[int]]],
+                  decode: Callable[[list[list[int]]], list[str]]) -> None:
+        """``push`` for many detokenizers (of one tokenizer) with one batched ``decode``
+        (``batch_decoder``): the same texts, at a fraction of the cost per step."""
+        seqs: list[list[int]] = []
+        for d, new_ids in items:
+            d.ids.extend(new_ids)
+            seqs.append(d.ids[d.prefix_offset:d.read_offset])
+            seqs.append(d.ids[d.prefix_offset:])
+        texts = decode(seqs) if seqs else []
+        for k, (d, _) in enumerate(items):
+            d._advance(texts[2 * k], texts[2 * k + 1])
+
+    def _advance(self, prefix: str, full: str) -> str:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self.prefix_offset = self.read_offset

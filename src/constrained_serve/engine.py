@@ -23,7 +23,7 @@ import weakref
 
 
 from .cache.manager import KVCacheManager
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, batch_decoder
 from .interrupts import sigint_deferred
 from .request import Request
 from .runner import Batch, ModelRunner
@@ -47,6 +47,7 @@ class EngineCore:
         self.overlap = overlap
         self.fast_forward = fast_forward
         self.sampler = Sampler(runner.device)
+        self._decode = batch_decoder(tokenizer)
         self.device = runner.device
         self.num_steps = 0
         self.check_each_step = False  # tests turn this on: integrity check after every step
@@ -135,7 +136,8 @@ class EngineCore:
                 self._abort(r, "abort", self._backend_failure(r, r.matcher.failure), "GrammarError")
                 continue
             if not self._check_stop(r, [], res.finished_first):
-                self._check_stop(r, self._append_forced(r, res.forced), res.finished)
+                [forced] = self._append_forced([(r, res.forced)])
+                self._check_stop(r, forced, res.finished)
 
     def _ff_room(self, r: Request, last: int | None = None) -> int:
         """How many forced tokens r may take now (0: fast-forward off, or ``last``, the token
@@ -145,23 +147,28 @@ class EngineCore:
             return 0
         return max(0, min(r.params.max_tokens - r.num_output, self.max_model_len - r.num_tokens))
 
-    def _append_forced(self, r: Request, forced: list[int]) -> list[int]:
-        """Append the tokens the grammar forced (the worker cut them at the room left and
-        after a stop token); returns them. A stop string cuts them where it completes."""
-        if r.params.stop and forced:  # the token that completes a stop string ends them
-            forced = forced[: self._stop_string_end(r, forced)]
-        if not forced:
-            return []
-        r.token_ids.extend(forced)
-        if r.logprobs is not None:  # never sampled, so never scored: fast_forward=False scores them
-            r.logprobs.extend([None] * len(forced))
-        r.num_forced += len(forced)
-        if forced[-1] in r.params.stop_token_ids:  # the stop token on its own, so that its text can be left out
-            self._emit(r, forced[:-1])
-            self._emit(r, forced[-1:])
-        else:
-            self._emit(r, forced)
-        return forced
+    def _append_forced(self, rows: list[tuple[Request, list[int]]]) -> list[list[int]]:
+        """Append the tokens the grammar forced to each request (the worker cut them at the
+        room left and after a stop token); returns what each got. A stop string cuts them
+        where it completes."""
+        out, emits = [], []
+        for r, forced in rows:
+            if r.params.stop and forced:  # the token that completes a stop string ends them
+                forced = forced[: self._stop_string_end(r, forced)]
+            out.append(forced)
+            if not forced:
+                continue
+            r.token_ids.extend(forced)
+            if r.logprobs is not None:  # never sampled, so never scored: fast_forward=False scores them
+                r.logprobs.extend([None] * len(forced))
+            r.num_forced += len(forced)
+            if forced[-1] in r.params.stop_token_ids:  # the stop token on its own: its text is left out
+                self._emit_many([(r, forced[:-1])])
+                self._emit_many([(r, forced[-1:])])
+            else:
+                emits.append((r, forced))
+        self._emit_many(emits)
+        return out
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[Request]:
@@ -261,23 +268,20 @@ class EngineCore:
                 # prefix cache now, not at finish, so requests that wait on the same prefix
                 # (Scheduler._prefix_in_flight) reuse it next step.
                 self.kv.share_progress(r)
+        plain: list[tuple[Request, int]] = []
         constrained: list[tuple[Request, int]] = []
         for j, (c, tok) in enumerate(zip(batch.sampling_chunks, tokens)):
             r = c.request
             r.token_ids.append(tok)
             if r.logprobs is not None:
                 r.logprobs.append(logprobs[j] if logprobs is not None else None)
-            if r.matcher is not None:
-                constrained.append((r, tok))
-                continue
-            self._emit(r, [tok])
-            self._check_stop(r, [tok])
-        if not constrained:
-            return
+            (constrained if r.matcher is not None else plain).append((r, tok))
         # One round trip for every constrained row: accept the sampled token, then take the
         # tokens the grammar forces next (unless the token ends the request anyway).
         results = self.grammar.advance([(r.matcher, [tok], self._ff_room(r, tok), r.params.stop_token_ids)
-                                        for r, tok in constrained])
+                                        for r, tok in constrained]) if constrained else []
+        emits = [(r, [tok]) for r, tok in plain]
+        kept = []
         for (r, tok), res in zip(constrained, results):
             if res is None:
                 # Its grammar work failed this step (a deadline, a crash, a parser limit, or a
@@ -289,17 +293,22 @@ class EngineCore:
                        self._backend_failure(r, r.matcher.failure))
                 self._abort(r, "abort", why, "GrammarError")
                 continue
-            self._emit(r, [tok])
-            if not res.accepted:
-                # A backend that failed on the token says why; otherwise a dead end in the spec.
-                why = (self._backend_failure(r, r.matcher.failure) if r.matcher.failure else
-                       self._rejection_message(r, r.num_output - 1) if res.dead_end else
+            emits.append((r, [tok]))
+            kept.append((r, tok, res))
+        self._emit_many(emits)  # one batched detokenization for the whole step
+        for r, tok in plain:
+            self._check_stop(r, [tok])
+        forced_rows = []
+        for r, tok, res in kept:
+            if not res.accepted:  # a dead end in the spec: its mask allowed only what it refuses
+                why = (self._rejection_message(r, r.num_output - 1) if res.dead_end else
                        f"grammar rejected sampled token {tok}, which its own mask allowed")
                 self._abort(r, "abort", why, "GrammarError")
-                continue
-            if self._check_stop(r, [tok], res.finished_first):
-                continue
-            self._check_stop(r, self._append_forced(r, res.forced), res.finished)
+            elif not self._check_stop(r, [tok], res.finished_first):
+                forced_rows.append((r, res))
+        appended = self._append_forced([(r, res.forced) for r, res in forced_rows])
+        for (r, res), forced in zip(forced_rows, appended):
+            self._check_stop(r, forced, res.finished)
 
     @staticmethod
     def _rejection_message(r: Request, n_output: int) -> str:
@@ -314,9 +323,15 @@ class EngineCore:
         return (f"{r.matcher.backend_name} failed after {r.num_output} output tokens "
                 f"({r.detok.text[-40:]!r}): {reason}; the output is incomplete")
 
-    def _emit(self, r: Request, toks: list[int]) -> None:
-        r.text_mark = len(r.detok.text)
-        r.detok.push(toks)  # stop strings are matched on this text; Engine.stream reads it
+    def _emit_many(self, rows: list[tuple[Request, list[int]]]) -> None:
+        """Push each request's new tokens through its detokenizer (one batched decode for all
+        of them): stop strings are matched on that text, and Engine.stream reads it."""
+        items = []
+        for r, toks in rows:
+            r.text_mark = len(r.detok.text)
+            items.append((r.detok, toks))
+        if items:
+            IncrementalDetokenizer.push_many(items, self._decode)
 
     def _check_stop(self, r: Request, new: list[int], grammar_finished: bool = False) -> bool:
         """End r if ``new`` (the tokens just appended) or ``grammar_finished`` (its grammar

@@ -113,10 +113,12 @@ class ModelRunner:
                     prompt_idx.append(first + p - start)
                     prompt_rows.append((r, p))
             max_pages = max(max_pages, -(-end // ps))
-        block_tables = torch.zeros((len(batch.chunks), max_pages), dtype=torch.int32)
-        for i, c in enumerate(batch.chunks):
-            n = -(-seq_lens[i] // ps)
-            block_tables[i, :n] = torch.tensor(c.request.pages[:n], dtype=torch.int32)
+        # One tensor from padded lists: a torch.tensor per row cost ~5 us each (1.3 ms at 256 rows).
+        table_rows = []
+        for c, seq_len in zip(batch.chunks, seq_lens):
+            n = -(-seq_len // ps)
+            table_rows.append(c.request.pages[:n] + [0] * (max_pages - n))
+        block_tables = torch.tensor(table_rows, dtype=torch.int32)
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)

@@ -45,13 +45,15 @@ class Scheduler:
         scheduled: dict[int, ScheduledChunk] = {}
         order: list[Request] = [r for r in self.running if r.num_pending == 1]
         order += [r for r in self.running if r.num_pending > 1]
+        room = self.kv.page_size
         for r in order:
             if budget <= 0:
                 break
             if r.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(r.num_pending, budget)
-            if not self._reserve(r, r.num_computed + n, scheduled):
+            # Most decodes still have room in their last page: no page work at all.
+            if r.num_computed + n > len(r.pages) * room and not self._reserve(r, r.num_computed + n, scheduled):
                 continue  # r itself was preempted
             scheduled[r.request_id] = ScheduledChunk(r, n, sample=(n == r.num_pending))
             budget -= n

@@ -105,6 +105,9 @@ class RadixCache:
         self.root = Node(tokens=(), pages=(), parent=None, id=next(self._ids))
         self._num_cached = 0  # pages stored in the tree
         self._num_protected = 0  # pages stored in nodes with lock_ref > 0
+        # The evictable nodes (unlocked leaves), kept as they change: with a full pool every
+        # step evicts a few pages, and walking the whole tree for them cost milliseconds.
+        self._leaves: set[Node] = set()
 
     # ------------------------------------------------------------------ queries
 
@@ -182,6 +185,7 @@ class RadixCache:
             assert node.parent is not None, "lock of a node that is no longer in the tree"
             if node.lock_ref == 0:
                 self._num_protected += node.num_pages
+                self._leaves.discard(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -195,6 +199,7 @@ class RadixCache:
             assert node is not self.root and node.parent is not None, "new is not below old"
             if node.lock_ref == 0:
                 self._num_protected += node.num_pages
+                self._leaves.discard(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -206,6 +211,8 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._num_protected -= node.num_pages
+                if not node.children:
+                    self._leaves.add(node)
             node = node.parent
 
     # ------------------------------------------------------------------ insert
@@ -239,6 +246,8 @@ class RadixCache:
                 last_access=self._clock,
             )
             node.children[new.tokens[:ps]] = new
+            self._leaves.discard(node)
+            self._leaves.add(new)
             self._num_cached += len(new_pages)
             # A new child of a locked node is itself unlocked: nothing to protect.
             node = new
@@ -256,7 +265,7 @@ class RadixCache:
         """
         if num_pages <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if self._evictable(n)]
+        heap = [(n.last_access, n.id, n) for n in self._leaves]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -272,7 +281,9 @@ class RadixCache:
             else:
                 del parent.children[leaf.tokens[: self.page_size]]
                 leaf.parent = None
+                self._leaves.discard(leaf)
                 if self._evictable(parent):
+                    self._leaves.add(parent)
                     heapq.heappush(heap, (parent.last_access, parent.id, parent))
             self._num_cached -= take
             freed += sum(1 for p in victims if self.pool.ref_count(p) == 1)
@@ -330,6 +341,10 @@ class RadixCache:
         assert cached == self._num_cached, f"cached count {self._num_cached} != {cached}"
         assert protected == self._num_protected, (
             f"protected count {self._num_protected} != {protected}"
+        )
+        leaves = {n for n in self._nodes() if self._evictable(n)}
+        assert leaves == self._leaves, (
+            f"evictable leaves kept {sorted(n.id for n in self._leaves)} != {sorted(n.id for n in leaves)}"
         )
 
     def check_accounting(self, in_use_by_requests: int) -> None:

@@ -179,6 +179,8 @@ class MatcherHost:
                 if (err := m.error()) is not None:
                     return (True, err, False, finished_first, can_end_first, [], False, False)
                 logger.warning("grammar refused its own forced tokens %s", ff)
+        if not forced:  # the state is the one read above (but finding no forced tokens can fail)
+            return (True, m.error(), False, finished_first, can_end_first, forced, finished_first, can_end_first)
         return (True, m.error(), False, finished_first, can_end_first, forced, m.is_finished(), m.can_end())
 
     def _why_rejected(self, m: GrammarMatcher) -> tuple[str | None, bool]:
