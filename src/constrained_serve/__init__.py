@@ -16,11 +16,12 @@ from .errors import GrammarError, OutputError, OutputValidationError, PromptTooL
 from .params import OutputSpec, SamplingParams
 from .result import Result, Usage
 
-__all__ = ["Engine", "GrammarError", "OutputError", "OutputValidationError", "PromptTooLongError", "OutputSpec",
+__all__ = ["AsyncEngine", "Engine", "GrammarError", "OutputError", "OutputValidationError", "PromptTooLongError", "OutputSpec",
            "Result", "SamplingParams", "Usage", "generate", "default_engine", "__version__"]
 
 if TYPE_CHECKING:
     from .api import Engine
+    from .async_engine import AsyncEngine
 
 
 def __getattr__(name: str) -> Any:
@@ -31,6 +32,11 @@ def __getattr__(name: str) -> Any:
 
         globals()["Engine"] = Engine
         return Engine
+    if name == "AsyncEngine":
+        from .async_engine import AsyncEngine
+
+        globals()["AsyncEngine"] = AsyncEngine
+        return AsyncEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -10,6 +10,7 @@ import os
 import random
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -53,6 +54,18 @@ def _requests(x: Request | list[Request] | Result) -> list[Request]:
 
 Messages = list[dict[str, Any]]
 _SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    """What the items of one generate/chat call share (see Engine._plan)."""
+
+    params_at: Callable[[int], SamplingParams]
+    backend: str | None
+    per_item_specs: list[dict[str, Any]]
+    per_prompt: bool
+    shared_spec: OutputSpec | None
+    chat: bool
 
 
 class Engine:
@@ -260,8 +273,9 @@ class Engine:
         return self._iter(prompts, params, chat, progress, raise_on_error, spec_kwargs, single=False,
                           max_in_flight=max_in_flight, total=None)
 
-    def _iter(self, items: Iterable[Any], params, chat, progress, raise_on_error, spec_kwargs, single,
-              max_in_flight: int | None, total: int | None) -> Iterator[Result]:
+    def _plan(self, items: Iterable[Any], params, chat: bool, spec_kwargs: dict[str, Any]) -> "_CallPlan":
+        """What every item of one call shares: its params, its spec(s), the grammar backend.
+        A bad shared spec raises here, before any model work."""
         params_at = self._params_per_item(items, params)
         backend, spec_args = self._spec_args(spec_kwargs)
         if isinstance(items, list):
@@ -278,6 +292,19 @@ class Engine:
                 timeouts = [p.compile_timeout_s for p in ([params] if not isinstance(params, (list, tuple))
                                                           else params) if p is not None]
                 self.grammar.compile(shared_spec, backend, max(timeouts) if all(timeouts) and timeouts else None)
+        return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat)
+
+    def _requests_for(self, plan: "_CallPlan", i: int, item: Any) -> list[Request]:
+        """The request(s) of item i of a call: one, or n for SamplingParams(n). A problem of
+        this item alone (too long, a bad per-item spec) raises ValueError/TypeError."""
+        spec = self.make_spec(**plan.per_item_specs[i]) if plan.per_prompt else plan.shared_spec
+        ids = self.encode_chat(item) if plan.chat else self._encode_raw(item)
+        p = plan.params_at(i)
+        return [self._new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
+
+    def _iter(self, items: Iterable[Any], params, chat, progress, raise_on_error, spec_kwargs, single,
+              max_in_flight: int | None, total: int | None) -> Iterator[Result]:
+        plan = self._plan(items, params, chat, spec_kwargs)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -297,10 +324,7 @@ class Engine:
                         break
                     i, item = nxt
                     try:
-                        spec = (self.make_spec(**per_item_specs[i]) if per_prompt else shared_spec)
-                        ids = self.encode_chat(item) if chat else self._encode_raw(item)
-                        p = params_at(i)
-                        group = [self._new_request(ids, p, spec, i, backend, j) for j in range(p.n)]
+                        group = self._requests_for(plan, i, item)
                     except (ValueError, TypeError) as e:
                         if single or raise_on_error:
                             raise

