@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
 import sys
 import time
@@ -160,7 +159,7 @@ def evaluate(manager: Any, backend: str, files: list[Path], tokenizer: Any) -> d
         t0 = time.perf_counter()
         try:
             spec = make_output_spec(schema=doc["schema"])
-            compiled = manager.compile(spec, backend)
+            manager.compile(spec, backend)
         except ValueError as e:  # GrammarError is a ValueError
             r["error"] = str(e)[:300]
         else:

@@ -11,7 +11,6 @@ import pytest
 import xgrammar as xgr
 
 from constrained_serve.errors import GrammarError
-from constrained_serve.grammar import make_output_spec
 from constrained_serve.grammar.finite_output import rules_without_finite_text
 
 GRAMMARS = Path(__file__).resolve().parents[2] / "grammars"

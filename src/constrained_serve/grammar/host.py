@@ -63,7 +63,7 @@ def make_backend(name: str, tokenizer: TokenizerData, **options: Any) -> Grammar
 @dataclass(frozen=True)
 class FaultPlan:
     """Faults injected into mask fills, for the engine's fault-injection tests: each fill raises,
-    stalls for ``stall_s`` or writes random bits with the given probabilities. Read from the
+    spins for ``stall_s`` or writes random bits with the given probabilities. Read from the
     environment variable CONSTRAINED_SERVE_GRAMMAR_FAULTS ("raise=0.02,stall=0.02,garbage=0.02,
     stall_s=2,seed=0") by the worker processes the engine starts; never set in normal use."""
 
@@ -208,8 +208,10 @@ class MatcherHost:
         x = self._rng.random()
         if x < f.p_raise:
             raise RuntimeError(f"injected fault: mask fill of row {row} raised")
-        if x < f.p_raise + f.p_stall:
-            time.sleep(f.stall_s)
+        if x < f.p_raise + f.p_stall:  # spins, as a runaway does (deadlines count CPU time)
+            end = time.monotonic() + f.stall_s
+            while time.monotonic() < end:
+                pass
 
     def _accept(self, mid: int, tokens: Sequence[int]) -> bool:
         m = self.matchers[mid]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import itertools
+import json
 import logging
 import re
 import threading
@@ -67,11 +68,46 @@ CacheKey = tuple[str, str, str, bool, bool]
 
 
 def spec_shape(spec: OutputSpec, backend: str) -> tuple[str, str, str, bool, bool]:
-    """A spec with runs of letters and digits folded and whitespace dropped: specs that differ
-    by a renamed rule, another letter in a regex or a reindent share a shape (and, for a
-    runaway compile, its fate)."""
-    text = re.sub(r"\s+", "", re.sub(r"[0-9]+", "0", re.sub(r"[A-Za-z_]+", "a", spec.text)))
-    return (backend, spec.kind, text, spec.whitespace, spec.strict)
+    """A spec with the contents of its literals and regexes folded (runs of letters -> "a", of
+    digits -> "0") and whitespace dropped: specs that differ by another letter in a regex or a
+    reindent share a shape (and, for a runaway compile, its fate). Structure, rule names and
+    JSON property names are kept: they make different grammars, not trivial edits."""
+    if spec.is_json:
+        try:
+            text = json.dumps(_fold_patterns(json.loads(spec.text)), sort_keys=True, separators=(",", ":"))
+        except ValueError:
+            text = spec.text
+    elif spec.kind == "regex":
+        text = _fold(spec.text)
+    elif spec.kind in ("lark", "ebnf"):
+        text = _LITERAL.sub(lambda m: _fold(m.group()), spec.text)
+    else:
+        text = spec.text
+    return (backend, spec.kind, re.sub(r"\s+", "", text), spec.whitespace, spec.strict)
+
+
+_LITERAL = re.compile(r'"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\\n])+/[imslux]*')
+
+
+def _fold(text: str) -> str:
+    return re.sub(r"[0-9]+", "0", re.sub(r"[A-Za-z_]+", "a", text))
+
+
+def _fold_patterns(schema: Any) -> Any:
+    """A schema with its ``pattern`` values and ``patternProperties`` keys folded."""
+    if isinstance(schema, dict):
+        out = {}
+        for k, v in schema.items():
+            if k == "pattern" and isinstance(v, str):
+                out[k] = _fold(v)
+            elif k == "patternProperties" and isinstance(v, dict):
+                out[k] = {_fold(p): _fold_patterns(s) for p, s in v.items()}
+            else:
+                out[k] = _fold_patterns(v)
+        return out
+    if isinstance(schema, list):
+        return [_fold_patterns(x) for x in schema]
+    return schema
 
 
 class GrammarManager:
@@ -279,8 +315,8 @@ class GrammarManager:
                 self._pending.pop(key, None)
 
     def _timed_out_error(self, spec: OutputSpec, name: str, timeout: float) -> GrammarError:
-        message = (f"{name}: compiling the {spec.kind} spec took longer than {timeout:g} s (its worker was "
-                   f"killed); this spec, and specs of the same shape, are refused at once from now on "
+        message = (f"{name}: compiling the {spec.kind} spec took longer than {timeout:g} s of CPU time (its worker "
+                   f"was killed); this spec, and specs of the same shape, are refused at once from now on "
                    f"unless compile_timeout_s is raised")
         with self._lock:
             self.stats["timeouts"] += 1

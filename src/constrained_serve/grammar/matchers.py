@@ -247,8 +247,8 @@ class _Batch:
             h = owner if kind == "new" else owner.handle
             op = _WORK.get("new" if kind == "new" else owner.item[0], f"the {owner.item[0]} operation")
             limit = self.m.compile_timeout_s if kind == "new" else owner.deadline
-            reason = (f"{h.backend_name}: {op} took longer than its deadline of {limit:g} s (with {len(h.history)} "
-                      f"tokens accepted); the grammar worker was killed" if failure.overrun else
+            reason = (f"{h.backend_name}: {op} took longer than its deadline of {limit:g} s of CPU time (with "
+                      f"{len(h.history)} tokens accepted); the grammar worker was killed" if failure.overrun else
                       f"{h.backend_name}: the grammar worker crashed during {op} ({failure})")
             if failure.overrun:
                 self.m.stats["mask_overruns"] += 1

@@ -41,8 +41,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SharedBitmask", "WorkerClient", "WorkerFailure", "collect_all"]
 
-_PROGRESS = struct.Struct("<qqd")  # seq, item index (-1: not started; n: all done), start (monotonic)
+# seq, item index (-1: not started; n: all done), its start: wall (monotonic) and CPU time
+_PROGRESS = struct.Struct("<qqdd")
 _PAGE = mmap.PAGESIZE
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# An item that blocks without spinning (no CPU time) is still cut: at this many times its
+# deadline, plus this many seconds, of wall time.
+WALL_FACTOR, WALL_SLACK_S = 3.0, 5.0
 
 
 class WorkerFailure(Exception):
@@ -193,7 +198,7 @@ class WorkerClient:
         self._conn = Connection(ours.detach())
         self.epoch += 1
         self.starts += 1
-        _PROGRESS.pack_into(self._progress, 0, -1, -1, 0.0)
+        _PROGRESS.pack_into(self._progress, 0, -1, -1, 0.0, 0.0)
         rows = (self.bitmask.rows, self.bitmask.width) if self.bitmask else None
         try:
             self._conn.send(("init", self.backend, self._tokenizer, self._options, rows))
@@ -259,21 +264,42 @@ class WorkerClient:
             raise out
         return out
 
-    def _progress_now(self) -> tuple[int, int, float]:
+    def _progress_now(self) -> tuple[int, int, float, float]:
         while True:  # the worker may be writing: read until two reads agree
             a = _PROGRESS.unpack_from(self._progress, 0)
             if a == _PROGRESS.unpack_from(self._progress, 0):
                 return a
 
+    def _cpu_seconds(self) -> float | None:
+        """The worker's CPU time so far (Linux: /proc), None where unknown."""
+        try:
+            with open(f"/proc/{self._proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime + stime
+        except (OSError, IndexError, ValueError, AttributeError):
+            return None
+
     def _time_left(self, now: float) -> tuple[float, int]:
-        """Seconds before this batch overruns, and the item that would overrun."""
+        """Seconds before this batch overruns, and the item that would overrun.
+
+        An item's deadline counts the CPU time the worker spends on it (where /proc tells),
+        so a busy machine, or a paused VM, does not kill work that merely waited for a core:
+        a runaway spins, and its CPU time grows. Wall time still bounds an item that blocks
+        without spinning: WALL_FACTOR times its deadline, plus WALL_SLACK_S."""
         seq, deadlines, sent_at = self._sent
-        got_seq, index, started = self._progress_now()
+        got_seq, index, started, cpu_started = self._progress_now()
         if got_seq != seq or index < 0:  # still reading the batch: look again soon, to see item 0 start
             return min(sent_at + self.reply_timeout_s - now, 0.005), -1
         if index >= len(deadlines):  # all done, the reply is on its way
             return started + self.reply_timeout_s - now, -1
-        return started + deadlines[index] - now, index
+        limit = deadlines[index]
+        wall_left = started + WALL_FACTOR * limit + WALL_SLACK_S - now
+        cpu = self._cpu_seconds()
+        if cpu is None:
+            return started + limit - now, index
+        # /proc counts in ticks (10 ms): a tick of slack so an item is not cut a tick early
+        cpu_left = limit - (cpu - cpu_started) + 1.0 / _CLOCK_TICKS
+        return min(cpu_left, wall_left), index
 
     def _receive(self) -> list[tuple[bool, Any]]:
         try:
@@ -291,7 +317,7 @@ class WorkerClient:
         seq, deadlines, _ = self._sent
         limit = deadlines[index] if 0 <= index < len(deadlines) else self.reply_timeout_s
         self.kill()
-        return WorkerFailure(f"the {self.label} grammar worker overran its deadline of {limit:g} s "
+        return WorkerFailure(f"the {self.label} grammar worker overran its deadline of {limit:g} s of CPU time "
                              f"(item {index}); killed", index=index, overrun=True)
 
 
@@ -404,7 +430,8 @@ def main(argv: list[str]) -> None:
             return  # the engine closed the connection: done
 
         def stamp(i: int, seq: int = seq) -> None:
-            _PROGRESS.pack_into(progress, 0, seq, i, time.monotonic())
+            t = os.times()  # user + system in clock ticks, as the engine reads /proc: one clock
+            _PROGRESS.pack_into(progress, 0, seq, i, time.monotonic(), t.user + t.system)
 
         results = host.run(items, stamp)
         stamp(len(items))
