@@ -395,12 +395,16 @@ class Engine:
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(item).__name__}")
 
     # ------------------------------------------------------------------ streaming and conversations
-    def stream(self, prompt: str | Messages, params: SamplingParams | None = None,
-               **spec_kwargs: Any) -> Iterator[str]:
+    def stream(self, prompt: str | Messages, params: SamplingParams | None = None, *, partial: bool = False,
+               **spec_kwargs: Any) -> Iterator[Any]:
         """An iterator of text deltas as they are decoded (constrained or not). Bad input
         raises here, at the call; decoding starts at the first ``next()``. A request that fails
         midway (``finish_reason == "abort"``: a grammar dead end, no KV room) raises
-        OutputError after the text it produced; truncation and stops end the stream quietly."""
+        OutputError after the text it produced; truncation and stops end the stream quietly.
+
+        ``partial=True`` (a JSON spec): partial objects instead of text, one each time another
+        top-level field is complete, then the validated object (see partial.py); an output
+        that does not complete or validate raises OutputError at the end."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"stream takes one prompt and one SamplingParams, got {type(params).__name__}")
@@ -412,7 +416,24 @@ class Engine:
         if spec is not None:
             self.grammar.compile(spec, backend, params.compile_timeout_s)
         ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
-        return self._stream(self._new_request(ids, params, spec, 0, backend))
+        if partial and (spec is None or not spec.is_json):
+            raise ValueError("partial=True needs a JSON output spec (schema= or a json response_format)")
+        r = self._new_request(ids, params, spec, 0, backend)
+        return self._partial(r, prompt) if partial else self._stream(r)
+
+    def _partial(self, r: Request, prompt: Any) -> Iterator[Any]:
+        from .partial import PartialObjects
+
+        objects = PartialObjects(r.spec.python_type)
+        for delta in self._stream(r):
+            obj = objects.feed(delta)
+            if obj is not None:
+                yield obj
+        result = self._hand_back(r, prompt, False)
+        if result.error is not None:
+            raise OutputError(f"the streamed output is not a complete valid object: {result.error_type}: "
+                              f"{result.error}")
+        yield result.parsed if r.spec.python_type is not None else result.json
 
     def _stream(self, r: Request) -> Iterator[str]:
         with self._core_lock:

@@ -244,12 +244,32 @@ class AsyncEngine:
                 out.append(outputs.error_result(i, e, item))
         return out
 
-    async def stream(self, prompt: Any, params: SamplingParams | None = None, **spec_kwargs: Any) -> AsyncIterator[str]:
+    async def stream(self, prompt: Any, params: SamplingParams | None = None, *, partial: bool = False,
+                     **spec_kwargs: Any) -> AsyncIterator[Any]:
         """As ``Engine.stream``: text deltas as they are decoded; a request that fails midway
-        raises OutputError after its text. Stop iterating (or cancel) to abort it."""
+        raises OutputError after its text. Stop iterating (or cancel) to abort it. With
+        ``partial=True`` (a JSON spec): partial objects, then the validated one (partial.py)."""
         s = await self.open_stream(prompt, params, **spec_kwargs)
-        async for delta in self._stream_request(s.request):
-            yield delta
+        r = s.request
+        if not partial:
+            async for delta in self._stream_request(r):
+                yield delta
+            return
+        from .partial import PartialObjects
+
+        if r.spec is None or not r.spec.is_json:
+            self._stepper.cancel([r])
+            raise ValueError("partial=True needs a JSON output spec (schema= or a json response_format)")
+        objects = PartialObjects(r.spec.python_type)
+        async for delta in self._stream_request(r):
+            obj = objects.feed(delta)
+            if obj is not None:
+                yield obj
+        result = self.engine._hand_back(r, prompt, False)
+        if result.error is not None:
+            raise OutputError(f"the streamed output is not a complete valid object: {result.error_type}: "
+                              f"{result.error}")
+        yield result.parsed if r.spec.python_type is not None else result.json
 
     async def _stream_request(self, r: Request) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()

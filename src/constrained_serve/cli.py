@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id-field", default="id", help="input field holding the row id (default: id)")
     p.add_argument("--max-in-flight", type=int, default=256, metavar="N", help="rows read ahead of the output")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+    p.add_argument("--confidence", action="store_true",
+                   help='add "confidence": {JSON path: probability the model gave the value} to each output row')
     _add_spec_args(p, "any JSON object")
     _add_model_args(p)
     p.set_defaults(func=cmd_extract)
@@ -176,7 +178,8 @@ def _sampling(args: argparse.Namespace) -> Any:
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                               repetition_penalty=args.repetition_penalty, top_p=args.top_p,
-                              top_k=args.top_k, min_p=args.min_p, stop=args.stop)
+                              top_k=args.top_k, min_p=args.min_p, stop=args.stop,
+                              field_confidence=bool(getattr(args, "confidence", False)))
     except ValueError as e:
         raise SetupError(str(e)) from None
 

@@ -64,15 +64,20 @@ def _cell(value: Any) -> str:
     return f"<code>{html.escape(json.dumps(value, default=str))}</code>"
 
 
-def _table(obj: dict[str, Any]) -> str:
+def _table(obj: dict[str, Any], confidence: dict[str, float] | None = None) -> str:
+    """key | value rows; with field confidences, a third column (the value's probability)."""
+    from .json_spans import child_path
+
     rows = []
     for i, (key, value) in enumerate(obj.items()):
         if i == _MAX_ROWS:
             rows.append(f"<tr><td colspan='2'><i>… {len(obj) - _MAX_ROWS} more fields</i></td></tr>")
             break
+        p = (confidence or {}).get(child_path("$", str(key)))
+        conf = f"<td style='color:#666'>p={p:.2g}</td>" if p is not None else ""
         rows.append(
             f"<tr><th style='text-align:left;vertical-align:top'>{html.escape(str(key))}</th>"
-            f"<td style='text-align:left'>{_cell(value)}</td></tr>"
+            f"<td style='text-align:left'>{_cell(value)}</td>{conf}</tr>"
         )
     return "<table>" + "".join(rows) + "</table>"
 
@@ -88,8 +93,9 @@ def result_repr_html(result: Any) -> str:
     """HTML for Jupyter: the output (a table for a flat-ish object, else pretty JSON or
     text), then finish reason, token counts and any error."""
     kind, value = _value(result)
+    confidence = getattr(result, "field_confidence", None) or {}
     if isinstance(value, dict) and value:
-        body = _table(value)
+        body = _table(value, confidence)
     elif kind == "text":
         body = f"<pre style='white-space:pre-wrap'>{html.escape(_elide(str(value)))}</pre>"
     else:

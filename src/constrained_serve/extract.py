@@ -265,7 +265,11 @@ def result_row(row_id: Any, result: Any, *, json_output: bool, max_tokens: int |
     if json_output and value is None:
         row_err = {**_err(INVALID_OUTPUT, "the output did not parse as JSON"), "text": text}
         return {"id": row_id, "error": row_err, "finish_reason": finish, "usage": usage}
-    return {"id": row_id, "output": value, "finish_reason": finish, "usage": usage}
+    row = {"id": row_id, "output": value, "finish_reason": finish, "usage": usage}
+    confidence = getattr(result, "field_confidence", None)
+    if confidence is not None:  # --confidence: per JSON path, the probability the model gave it
+        row["confidence"] = {path: float(f"{p:.6g}") for path, p in confidence.items()}
+    return row
 
 
 @dataclass

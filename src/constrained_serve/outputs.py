@@ -67,6 +67,11 @@ def _result(r: Request, prompt: Any, raise_on_error: bool, grammar: Any, max_mod
 
             try:
                 res.json, res.parsed = parse_output(r.spec, text)
+                if r.params.field_confidence and r.spec.is_json and r.logprobs is not None:
+                    from .confidence import field_confidence, token_offsets
+
+                    offsets = token_offsets(r.detok.tok, r.prompt_ids[-4:], r.output_ids)
+                    res.field_confidence = field_confidence(text, offsets, r.logprobs, r.output_ids)
             except OutputValidationError as e:  # valid JSON that the Pydantic type refuses
                 res.json, res.error, res.error_type = e.value, str(e), type(e).__name__
                 refused = e

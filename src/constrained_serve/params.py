@@ -50,6 +50,11 @@ class SamplingParams:
     # request fails alone with a GrammarError; the rest of the batch goes on.
     compile_timeout_s: float | None = None
     mask_timeout_s: float | None = None
+    # Result.field_confidence for JSON outputs: per JSON path, the probability the model gave
+    # to the value it wrote (the product over the value's tokens of their raw probability;
+    # forced tokens count as certain). Records the sampled tokens' logprobs (Result.logprobs
+    # too): a log-softmax of each row's logits per step, ~1-2 ms at 64 rows on CPU.
+    field_confidence: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +80,8 @@ class SamplingParams:
         _check_real("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
         if self.seed is not None:  # mixed into 64-bit per-step seeds: a wider one would wrap
             _check_int("seed", self.seed, -2**63, "None or an integer in [-2**63, 2**64)", hi=2**64 - 1)
+        if not isinstance(self.field_confidence, bool):
+            raise ValueError(f"field_confidence must be True or False, got {self.field_confidence!r}")
         if type(self.ignore_eos).__name__ == "bool_":  # numpy's bool
             self.ignore_eos = bool(self.ignore_eos)
         if not isinstance(self.ignore_eos, bool):

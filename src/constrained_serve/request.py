@@ -67,7 +67,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
-        if self.params.logprobs is not None and self.logprobs is None:
+        if (self.params.logprobs is not None or self.params.field_confidence) and self.logprobs is None:
             self.logprobs = []
 
     @property

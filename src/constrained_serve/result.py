@@ -42,6 +42,11 @@ class Result:
     # With SamplingParams(prompt_logprobs=k): per prompt token {token id: logprob, then the k
     # most likely}, given the tokens before it (raw model distribution); None for the first.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With SamplingParams(field_confidence=True), for a complete JSON output: per JSON path
+    # ("$", "$.name", "$.items[0]", ...) the probability the model gave to the value written
+    # there: the product over the tokens overlapping the value of their raw probability
+    # (forced tokens count as certain, probability 1).
+    field_confidence: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:

@@ -79,11 +79,11 @@ class RawLogprobs:
 
     @classmethod
     def of(cls, logits: torch.Tensor, requests: list[Request]) -> "RawLogprobs | None":
-        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None or r.params.field_confidence]
         if not rows:
             return None
         lp = torch.log_softmax(logits[rows].float(), dim=-1)
-        return cls(rows, lp, [requests[i].params.logprobs for i in rows])
+        return cls(rows, lp, [requests[i].params.logprobs or 0 for i in rows])
 
     def for_tokens(self, tokens: list[int], num_rows: int) -> list[dict[int, float] | None]:
         """Per batch row: {sampled token: logprob, then the top-k}; None for rows that did not ask."""

@@ -212,3 +212,20 @@ def test_clients_that_disconnect_mid_stream_free_their_pages(served):
         time.sleep(0.05)
     engine.core.check_integrity()
     assert engine.pool.num_free + engine.kv.radix.evictable_pages() == free0
+
+
+@pytest.mark.timeout(120)
+def test_a_request_that_fails_while_decoding_fails_alone(served, client):
+    # llguidance 1.9.1 spins after the first token of this grammar: killed at its deadline.
+    hang = 'start: c y\nc: "q" | "x"\ny: "{" A B "}"\nA: /a+/\nB: /a/\n'
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(chat, client, "Letters", max_tokens=16, extra_body={"guided_grammar": hang})
+        good = pool.submit(chat, client, "Digits", max_tokens=8, extra_body={"guided_regex": "[0-9]{4}"})
+        with pytest.raises(openai.BadRequestError, match="deadline") as e:
+            bad.result(timeout=60)
+        assert e.value.body["code"] == "GrammarError"
+        assert good.result(timeout=60).choices[0].message.content.isdigit()
+    assert chat(client, max_tokens=2).choices
+    served[0].core.check_integrity()
