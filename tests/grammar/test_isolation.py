@@ -195,3 +195,23 @@ def test_a_worker_killed_from_outside_is_restarted_and_its_matchers_rebuilt(mgr,
     assert h.accept_tokens(encode(tokenizer, "12")) and h.can_end()  # rebuilt: "abc-" replayed
     assert not h.accept_tokens(encode(tokenizer, "x"))
     assert pid not in mgr.worker_pids()
+
+
+@pytest.mark.parametrize("wall, cpu, killed", [
+    (0.6, 1.2, False),   # two threads busy for 0.6 s: 1.2 s of CPU, but it has not run 1 s yet
+    (1.2, 0.3, False),   # waited for a core (busy machine, paused VM): little CPU used
+    (1.2, 1.2, True),    # a runaway on one core: both past the deadline
+    (1.1, 2.2, True),    # a runaway on two cores
+    (8.1, 0.0, True),    # blocked without spinning: cut at 3x the deadline + 5 s of wall time
+])
+def test_an_item_overruns_when_both_its_wall_and_cpu_time_pass_the_deadline(wall, cpu, killed):
+    from constrained_serve.grammar import worker
+
+    client = worker.WorkerClient.__new__(worker.WorkerClient)
+    client.reply_timeout_s = 60.0
+    client._sent = (7, [1.0], 100.0)
+    client._progress_now = lambda: (7, 0, 100.0, 5.0)  # seq 7, item 0 started at t=100, CPU 5 s
+    client._cpu_seconds = lambda: 5.0 + cpu
+    left, index = client._time_left(100.0 + wall)
+    assert index == 0
+    assert (left <= 0) == killed, left

@@ -296,7 +296,7 @@ class GrammarManager:
                 if not e.overrun:
                     raise GrammarError(f"{name}: the grammar worker failed while compiling the {spec.kind} spec: {e}",
                                        backend=name, reason="worker failure") from None
-                raise self._timed_out_error(spec, name, timeout) from None
+                raise self._timed_out_error(spec, name, timeout, e.elapsed) from None
             finally:
                 self._release_compiler(name, client)
             if not ok:
@@ -314,9 +314,14 @@ class GrammarManager:
             with self._lock:
                 self._pending.pop(key, None)
 
-    def _timed_out_error(self, spec: OutputSpec, name: str, timeout: float) -> GrammarError:
+    def _timed_out_error(self, spec: OutputSpec, name: str, timeout: float,
+                         elapsed: tuple[float, float | None] | None = None) -> GrammarError:
+        ran = ""
+        if elapsed is not None:
+            wall, cpu = elapsed
+            ran = f"; it ran {wall:.1f} s" + ("" if cpu is None else f" and used {cpu:.1f} s of CPU")
         message = (f"{name}: compiling the {spec.kind} spec took longer than {timeout:g} s of CPU time (its worker "
-                   f"was killed); this spec, and specs of the same shape, are refused at once from now on "
+                   f"was killed{ran}); this spec, and specs of the same shape, are refused at once from now on "
                    f"unless compile_timeout_s is raised")
         with self._lock:
             self.stats["timeouts"] += 1

@@ -54,10 +54,12 @@ class WorkerFailure(Exception):
     """A worker overran an item's deadline (``overrun``), died, or could not start.
     ``index`` is the item it was running (-1: none, or unknown)."""
 
-    def __init__(self, message: str, index: int = -1, overrun: bool = False):
+    def __init__(self, message: str, index: int = -1, overrun: bool = False,
+                 elapsed: tuple[float, float | None] | None = None):
         super().__init__(message)
         self.index = index
         self.overrun = overrun
+        self.elapsed = elapsed  # (wall, CPU seconds) the overrunning item ran, when known
 
 
 def _shared_file(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
@@ -160,6 +162,7 @@ class WorkerClient:
         self._progress_fd, self._progress = _shared_file(_PAGE, "cs-progress")
         self._seq = 0
         self._sent: tuple[int, list[float], float] | None = None  # seq, deadlines, send time
+        self._last_elapsed: tuple[float, float | None] = (0.0, None)  # wall, CPU of the item running
         self._start_lock = threading.Lock()  # a warm-up thread may be starting it
 
     # -- life ----------------------------------------------------------------------------
@@ -282,10 +285,12 @@ class WorkerClient:
     def _time_left(self, now: float) -> tuple[float, int]:
         """Seconds before this batch overruns, and the item that would overrun.
 
-        An item's deadline counts the CPU time the worker spends on it (where /proc tells),
-        so a busy machine, or a paused VM, does not kill work that merely waited for a core:
-        a runaway spins, and its CPU time grows. Wall time still bounds an item that blocks
-        without spinning: WALL_FACTOR times its deadline, plus WALL_SLACK_S."""
+        An item has run for the smaller of its wall time and the worker's CPU time since it
+        started (where /proc tells): a busy machine, or a paused VM, does not kill work that
+        merely waited for a core (its CPU time stands still), and a backend that compiles on
+        several threads is not killed for using two cores at once (its wall time is the
+        smaller). A runaway spins, so both grow. Wall time alone still bounds an item that
+        blocks without spinning: WALL_FACTOR times its deadline, plus WALL_SLACK_S."""
         seq, deadlines, sent_at = self._sent
         got_seq, index, started, cpu_started = self._progress_now()
         if got_seq != seq or index < 0:  # still reading the batch: look again soon, to see item 0 start
@@ -293,13 +298,15 @@ class WorkerClient:
         if index >= len(deadlines):  # all done, the reply is on its way
             return started + self.reply_timeout_s - now, -1
         limit = deadlines[index]
-        wall_left = started + WALL_FACTOR * limit + WALL_SLACK_S - now
+        wall = now - started
+        cap_left = WALL_FACTOR * limit + WALL_SLACK_S - wall
         cpu = self._cpu_seconds()
+        self._last_elapsed = (wall, None if cpu is None else cpu - cpu_started)
         if cpu is None:
-            return started + limit - now, index
+            return limit - wall, index
         # /proc counts in ticks (10 ms): a tick of slack so an item is not cut a tick early
         cpu_left = limit - (cpu - cpu_started) + 1.0 / _CLOCK_TICKS
-        return min(cpu_left, wall_left), index
+        return min(max(cpu_left, limit - wall), cap_left), index
 
     def _receive(self) -> list[tuple[bool, Any]]:
         try:
@@ -317,8 +324,10 @@ class WorkerClient:
         seq, deadlines, _ = self._sent
         limit = deadlines[index] if 0 <= index < len(deadlines) else self.reply_timeout_s
         self.kill()
+        wall, cpu = self._last_elapsed
+        ran = f"{wall:.1f} s wall" + ("" if cpu is None else f", {cpu:.1f} s CPU")
         return WorkerFailure(f"the {self.label} grammar worker overran its deadline of {limit:g} s of CPU time "
-                             f"(item {index}); killed", index=index, overrun=True)
+                             f"(item {index}, after {ran}); killed", index=index, overrun=True, elapsed=(wall, cpu))
 
 
 def collect_all(clients: Sequence[WorkerClient]) -> list[list[tuple[bool, Any]] | WorkerFailure]:
