@@ -215,3 +215,45 @@ def test_an_item_overruns_when_both_its_wall_and_cpu_time_pass_the_deadline(wall
     left, index = client._time_left(100.0 + wall)
     assert index == 0
     assert (left <= 0) == killed, left
+
+
+def _hammer_progress(fd: int, seconds: float) -> None:
+    """In another process: write records whose four fields are all the same number."""
+    import mmap
+
+    from constrained_serve.grammar.worker import ProgressCell
+
+    cell = ProgressCell(mmap.mmap(fd, mmap.PAGESIZE))
+    end, k = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        k += 1
+        cell.write(k, k, float(k), float(k))
+
+
+def test_the_engine_never_reads_a_half_written_progress_record():
+    """A worker descheduled mid-write once left a new item index beside a start of 0.0: the
+    item seemed to have run for the machine's uptime and was killed at once. A reader must
+    see whole records only, however the writer's stores interleave with its reads."""
+    import mmap
+    import multiprocessing
+
+    from constrained_serve.grammar.worker import ProgressCell
+
+    fd = os.memfd_create("cs-test-progress")
+    os.ftruncate(fd, mmap.PAGESIZE)
+    cell = ProgressCell(mmap.mmap(fd, mmap.PAGESIZE))
+    cell.write(0, 0, 0.0, 0.0)
+    ctx = multiprocessing.get_context("fork")
+    writer = ctx.Process(target=_hammer_progress, args=(fd, 1.5))
+    writer.start()
+    try:
+        reads, last = 0, 0
+        while writer.is_alive() or reads == 0:
+            seq, index, wall, cpu = cell.read()
+            assert seq == index == wall == cpu, (seq, index, wall, cpu)
+            assert seq >= last  # and never an older record after a newer one
+            last, reads = seq, reads + 1
+        assert last > 1000, f"the writer wrote only {last} records"
+    finally:
+        writer.join(5)
+        os.close(fd)

@@ -24,7 +24,6 @@ import mmap
 import os
 import queue
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -41,13 +40,51 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SharedBitmask", "WorkerClient", "WorkerFailure", "collect_all"]
 
-# seq, item index (-1: not started; n: all done), its start: wall (monotonic) and CPU time
-_PROGRESS = struct.Struct("<qqdd")
 _PAGE = mmap.PAGESIZE
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # An item that blocks without spinning (no CPU time) is still cut: at this many times its
 # deadline, plus this many seconds, of wall time.
 WALL_FACTOR, WALL_SLACK_S = 3.0, 5.0
+
+
+class ProgressCell:
+    """What a worker is doing, in a shared page the engine reads without asking: the batch's
+    seq, the item index (-1: not started; n: all done) and that item's start in wall
+    (monotonic) and CPU seconds.
+
+    A seqlock: the writer makes the generation odd, writes, makes it even; a reader retries
+    until it sees the same even generation before and after. Without it a reader could see a
+    half-written record (a new index with the old start) when the worker was descheduled
+    mid-write; from a start of 0.0 an item seemed to have run for the machine's uptime and
+    was killed after a few ms (CI once killed a 15 ms compile so). Every field is one aligned
+    8-byte store through numpy: ``struct.pack_into`` zero-fills its bytes first, so a reader
+    could catch a generation of 0, which looks even. One writer at a time; x86-64 and ARM64
+    keep such stores whole and, for one writer, in order."""
+
+    def __init__(self, page: mmap.mmap):
+        self._ints = np.ndarray((3,), dtype=np.int64, buffer=page)  # generation, seq, index
+        self._times = np.ndarray((2,), dtype=np.float64, buffer=page, offset=24)  # wall, CPU
+
+    def write(self, seq: int, index: int, wall: float, cpu: float) -> None:
+        # From the page's generation, not a count of our own: the engine also writes (the
+        # reset before a worker starts), and the generation must never repeat.
+        gen = int(self._ints[0]) | 1
+        self._ints[0] = gen  # odd: writing
+        self._ints[1], self._ints[2] = seq, index
+        self._times[0], self._times[1] = wall, cpu
+        self._ints[0] = gen + 1
+
+    def read(self) -> tuple[int, int, float, float]:
+        tries = 0
+        while True:
+            gen = int(self._ints[0])
+            if gen % 2 == 0:
+                record = (int(self._ints[1]), int(self._ints[2]), float(self._times[0]), float(self._times[1]))
+                if int(self._ints[0]) == gen:
+                    return record
+            tries += 1
+            if tries % 64 == 0:
+                time.sleep(0)  # the writer was descheduled mid-write: let it run
 
 
 class WorkerFailure(Exception):
@@ -159,7 +196,8 @@ class WorkerClient:
         self.kills = 0
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        self._progress_fd, self._progress = _shared_file(_PAGE, "cs-progress")
+        self._progress_fd, page = _shared_file(_PAGE, "cs-progress")
+        self._progress = ProgressCell(page)
         self._seq = 0
         self._sent: tuple[int, list[float], float] | None = None  # seq, deadlines, send time
         self._last_elapsed: tuple[float, float | None] = (0.0, None)  # wall, CPU of the item running
@@ -201,7 +239,7 @@ class WorkerClient:
         self._conn = Connection(ours.detach())
         self.epoch += 1
         self.starts += 1
-        _PROGRESS.pack_into(self._progress, 0, -1, -1, 0.0, 0.0)
+        self._progress.write(-1, -1, 0.0, 0.0)  # the old worker is dead: this page has no other writer
         rows = (self.bitmask.rows, self.bitmask.width) if self.bitmask else None
         try:
             self._conn.send(("init", self.backend, self._tokenizer, self._options, rows))
@@ -268,10 +306,7 @@ class WorkerClient:
         return out
 
     def _progress_now(self) -> tuple[int, int, float, float]:
-        while True:  # the worker may be writing: read until two reads agree
-            a = _PROGRESS.unpack_from(self._progress, 0)
-            if a == _PROGRESS.unpack_from(self._progress, 0):
-                return a
+        return self._progress.read()
 
     def _cpu_seconds(self) -> float | None:
         """The worker's CPU time so far (Linux: /proc), None where unknown."""
@@ -418,7 +453,7 @@ def main(argv: list[str]) -> None:
     root.setLevel(logging.INFO)
     root.propagate = False
     conn = Connection(sock_fd)
-    progress = mmap.mmap(progress_fd, _PAGE)
+    progress = ProgressCell(mmap.mmap(progress_fd, _PAGE))
     try:
         _, backend_name, tokenizer, options, rows = conn.recv()
         from .host import FaultPlan, MatcherHost, make_backend
@@ -440,7 +475,7 @@ def main(argv: list[str]) -> None:
 
         def stamp(i: int, seq: int = seq) -> None:
             t = os.times()  # user + system in clock ticks, as the engine reads /proc: one clock
-            _PROGRESS.pack_into(progress, 0, seq, i, time.monotonic(), t.user + t.system)
+            progress.write(seq, i, time.monotonic(), t.user + t.system)
 
         results = host.run(items, stamp)
         stamp(len(items))
