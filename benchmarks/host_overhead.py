@@ -9,7 +9,7 @@ checks. Each step is timed whole and its forward alone (``ModelRunner.forward``,
 on CPU); only steady-state steps count (every request decoding, none prefilling), and the
 figure is their median.
 
-    python benchmarks/host_overhead.py [--rows 64 256] [--tokens 64] [--repeats 3] [--profile]
+    python benchmarks/host_overhead.py [--rows 64 256] [--tokens 64] [--repeats 3] [--mask-workers N] [--profile]
 """
 from __future__ import annotations
 
@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy, as extraction runs (> 0 adds per-row seeded noise: on CPU ~7 us a row "
                          "for its generator, in the Triton sampling kernel on GPU)")
+    ap.add_argument("--mask-workers", type=int, default=None,
+                    help="grammar mask worker processes (default: the engine's, 1 on CPU; on CUDA up to 8)")
     ap.add_argument("--profile", action="store_true", help="cProfile the largest constrained run")
     args = ap.parse_args()
     import torch
@@ -134,7 +136,8 @@ def main() -> None:
     folder = tiny_model(Path(tempfile.mkdtemp(prefix="host-overhead-")))
     biggest = max(args.rows)
     engine = Engine(model=str(folder), max_num_seqs=biggest, max_num_batched_tokens=max(512, 4 * biggest),
-                    kv_cache_tokens=biggest * (args.tokens + 64), grammar_backend=args.backend)
+                    kv_cache_tokens=biggest * (args.tokens + 64), grammar_backend=args.backend,
+                    grammar_mask_workers=args.mask_workers)
     results = []
     print(f"host ms per steady decode step (step minus forward), median of {args.repeats} rounds; "
           f"{args.tokens} tokens per request, {engine.device}")

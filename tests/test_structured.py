@@ -244,6 +244,25 @@ def test_overlapped_and_synchronous_loops_give_identical_tokens(tiny_engine_fact
     assert outs[0] == outs[1]
 
 
+def test_rows_split_over_two_mask_workers_give_the_same_tokens(tiny_engine_factory):
+    """grammar_mask_workers=2 splits each step's rows over two worker processes; the masks,
+    and so the sampled tokens, are the same as with one."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer"}}, "required": ["name", "n"]}
+    prompts = [f"record {i}:" for i in range(5)]
+    outs = []
+    for workers in (1, 2):
+        eng = tiny_engine_factory(grammar_mask_workers=workers)
+        rs = eng.generate(prompts, SamplingParams(max_tokens=30, temperature=0.7, seed=3), schema=schema)
+        assert all(r.error_type in (None, "truncated") for r in rs), [r.error for r in rs]
+        assert len(eng.grammar._maskers["llguidance"]) == workers
+        outs.append([r.token_ids for r in rs])
+    assert outs[0] == outs[1]
+    for bad in (0, 65, 1.5, True):
+        with pytest.raises(ValueError, match="grammar_mask_workers"):
+            tiny_engine_factory(grammar_mask_workers=bad)
+
+
 def test_fast_forward_on_and_off_both_validate(tiny_engine_factory):
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                                "size": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -140,10 +140,7 @@ class Engine:
                     cfg = self.config
                     grammar = GrammarManager(self.tokenizer, self.vocab_size, default_backend=cfg.grammar_backend,
                                              eos_token_ids=sorted(self.core.eos_token_ids),
-                                             # mask workers: on CPU one (the forward has the cores);
-                                             # on CUDA, rows split over up to 8 workers in parallel
-                                             mask_threads=1 if self.device.type == "cpu" else
-                                             min(8, max(2, (os.cpu_count() or 2) // 2)),
+                                             mask_threads=self._mask_workers(),
                                              compile_timeout_s=cfg.grammar_compile_timeout_s,
                                              mask_timeout_s=cfg.grammar_mask_timeout_s,
                                              isolation=cfg.grammar_isolation, max_rows=cfg.max_num_seqs)
@@ -151,6 +148,12 @@ class Engine:
                     self.core.grammar = grammar
                     self._grammar = grammar  # published last: other threads see it complete
         return self._grammar
+
+    def _mask_workers(self) -> int:
+        """On CPU one (the forward has the cores); on CUDA rows split over up to 8 workers."""
+        if self.config.grammar_mask_workers is not None:
+            return self.config.grammar_mask_workers
+        return 1 if self.device.type == "cpu" else min(8, max(2, (os.cpu_count() or 2) // 2))
 
     # ------------------------------------------------------------------ inputs
     def encode_prompt(self, prompt: str) -> list[int]:

@@ -34,6 +34,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_mask_timeout_s: float | None = None  # None: 0.5 s with llguidance, 3 s with xgrammar
     grammar_isolation: str = "process"  # "process" | "inline"
+    # Mask worker processes per backend, rows split over them: None is 1 on CPU (the forward
+    # has the cores) and min(8, cores / 2) on CUDA (the forward runs on the GPU).
+    grammar_mask_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -65,6 +68,9 @@ class EngineConfig:
                 continue
             if not (isinstance(getattr(self, name), (int, float)) and 0 < getattr(self, name) <= 3600):
                 raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {getattr(self, name)!r}")
+        if self.grammar_mask_workers is not None and not (type(self.grammar_mask_workers) is int
+                                                          and 1 <= self.grammar_mask_workers <= 64):
+            raise ValueError(f"grammar_mask_workers must be an int in [1, 64], got {self.grammar_mask_workers!r}")
         if self.grammar_isolation not in ("process", "inline"):
             raise ValueError(f"grammar_isolation must be 'process' or 'inline', got {self.grammar_isolation!r}")
         if not 0 <= self.conversation_lock_fraction <= 1:
