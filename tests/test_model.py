@@ -8,7 +8,8 @@ from constrained_serve.models import loader
 from constrained_serve.models.cpu_linear import PackedLinear
 from constrained_serve.params import SamplingParams
 from constrained_serve.request import Request
-from constrained_serve.runner import Batch, ModelRunner, ScheduledChunk
+from constrained_serve.batch import Batch, ScheduledChunk
+from constrained_serve.runner import ModelRunner
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time, in a land far away, there lived"]
 

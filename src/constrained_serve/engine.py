@@ -26,7 +26,8 @@ from .cache.manager import KVCacheManager
 from .detokenizer import IncrementalDetokenizer, batch_decoder
 from .interrupts import sigint_deferred
 from .request import Request
-from .runner import Batch, ModelRunner
+from .batch import Batch
+from .runner import ModelRunner
 from .sampler import Sampler, record_prompt_logprobs
 from .scheduler import Scheduler
 

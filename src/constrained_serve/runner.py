@@ -10,36 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.attention import AttentionMetadata
+from .batch import AttentionMetadata, Batch
 from .kernels.dispatch import use_triton
 from .kernels.kv_layout import allocate_pool
 from .models.llama import LlamaModel
 from .request import Request
-
-
-@dataclass
-class ScheduledChunk:
-    """One sequence's share of a step: ``num_new`` tokens from ``request.num_computed`` on."""
-
-    request: Request
-    num_new: int
-    sample: bool  # the chunk reaches the end of the known tokens: its last row samples
-
-
-@dataclass
-class Batch:
-    chunks: list[ScheduledChunk]  # decode chunks (num_new == 1) first, then prefill chunks
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new for c in self.chunks)
-
-    @property
-    def sampling_chunks(self) -> list[ScheduledChunk]:
-        return [c for c in self.chunks if c.sample]
-
-    def __bool__(self) -> bool:
-        return bool(self.chunks)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections import deque
 
 from .cache.manager import KVCacheManager
 from .request import Request, Status
-from .runner import Batch, ScheduledChunk
+from .batch import Batch, ScheduledChunk
 
 logger = logging.getLogger(__name__)
 

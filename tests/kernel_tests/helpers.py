@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from constrained_serve.kernels.attention import AttentionMetadata
+from constrained_serve.batch import AttentionMetadata
 
 
 def require_triton() -> None:

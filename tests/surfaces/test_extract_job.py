@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from constrained_serve.extract import (
+from constrained_serve.extract.job import (
     INVALID_ID,
     INVALID_JSON,
     INVALID_UTF8,
@@ -22,7 +22,7 @@ from constrained_serve.extract import (
     result_row,
     run_extract,
 )
-from constrained_serve.extract_output import OutputFileError, open_sinks, row_key
+from constrained_serve.extract.output import OutputFileError, open_sinks, row_key
 
 
 def lines(*texts: str | bytes) -> list[bytes]:
@@ -191,7 +191,7 @@ def test_output_paths_that_cannot_be_resumed_are_refused(tmp_path) -> None:
 
 
 def test_count_rows_leaves_a_pipe_alone(tmp_path) -> None:
-    from constrained_serve.extract import count_rows
+    from constrained_serve.extract.job import count_rows
 
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)

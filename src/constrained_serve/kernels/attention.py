@@ -14,40 +14,14 @@ to every key at a position <= its own.
 """
 from __future__ import annotations
 
-import itertools
 import os
-from dataclasses import dataclass, field
 
 import torch
 
+from ..batch import AttentionMetadata
 from .kv_layout import heads_view
 from .long_chunks import attend_long, long_chunks
 from .short_rows import attend_short, short_groups
-
-
-@dataclass
-class AttentionMetadata:
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    slot_mapping: torch.Tensor
-    num_decodes: int
-    max_query_len: int
-    max_seq_len: int
-    # Host copies, so the CPU path never syncs on a device tensor.
-    query_lens_host: list[int]
-    seq_lens_host: list[int]
-    # Per-step plans of the torch path (index tensors, masks), built by the first layer.
-    plan_cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
-
-    @property
-    def query_starts_host(self) -> list[int]:
-        """Host copy of query_start_loc: sequence b's tokens are q[starts[b]:starts[b+1]]."""
-        return [0, *itertools.accumulate(self.query_lens_host)]
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -12,7 +12,7 @@ import os
 import torch
 
 from . import attention, norm, sampling
-from .attention import AttentionMetadata
+from ..batch import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import dispatch
-from ..kernels.attention import AttentionMetadata
+from ..batch import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ Data flow (all streaming, so inputs larger than memory are fine)::
 
     input.jsonl --read_items()--> InputItem (prompt, or an error found before the model)
         --run_extract()--> engine.generate_iter(prompts)  (continuous batching, input order)
-        --> rows, merged back into input order --> JsonlSink (extract_output.py: append + flush per row)
+        --> rows, merged back into input order --> JsonlSink (output.py: append + flush per row)
 
-Resume: ``extract_output.open_sinks`` locks the output file(s), truncates a partial last
+Resume: ``output.open_sinks`` locks the output file(s), truncates a partial last
 line left by a crash and returns the keys of the rows already written; ``read_items``
 skips those keys (the id, or the line for rows that carry one). So ``kill -9`` then a
 rerun gives exactly one row per input line.
@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from .extract_output import written_row_key
+from .output import written_row_key
 
 logger = logging.getLogger(__name__)
 

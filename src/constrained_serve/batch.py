@@ -1,0 +1,68 @@
+"""What one step computes, in the types the scheduler, the runner, the model and the
+attention kernels share (so none of them imports another for its types).
+
+The scheduler picks a ``Batch`` of ``ScheduledChunk``s; the runner turns it into flat
+tensors and an ``AttentionMetadata``, which every layer's attention reads.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """One sequence's share of a step: ``num_new`` tokens from ``request.num_computed`` on."""
+
+    request: Request
+    num_new: int
+    sample: bool  # the chunk reaches the end of the known tokens: its last row samples
+
+
+@dataclass
+class Batch:
+    chunks: list[ScheduledChunk]  # decode chunks (num_new == 1) first, then prefill chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks)
+
+    @property
+    def sampling_chunks(self) -> list[ScheduledChunk]:
+        return [c for c in self.chunks if c.sample]
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's tokens, keys and pages are (layout: kernels/attention.py)."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so the CPU path never syncs on a device tensor.
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    # Per-step plans of the torch path (index tensors, masks), built by the first layer.
+    plan_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def query_starts_host(self) -> list[int]:
+        """Host copy of query_start_loc: sequence b's tokens are q[starts[b]:starts[b+1]]."""
+        return [0, *itertools.accumulate(self.query_lens_host)]
