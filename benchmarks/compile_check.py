@@ -26,7 +26,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from constrained_serve.kernels import attention as A  # noqa: E402
-from constrained_serve.kernels import norm as N  # noqa: E402
 from constrained_serve.kernels import sampling as S  # noqa: E402
 
 
@@ -83,16 +82,6 @@ def cases() -> list[tuple[str, object, dict, dict]]:
                          **_cx("HAS_MASK", "ALL_GREEDY", "BLOCK_R", "BLOCK_V", "SEARCH_BLOCK")},
                         {"HAS_MASK": mask, "ALL_GREEDY": greedy, "BLOCK_R": 1, "BLOCK_V": 1024,
                          "SEARCH_BLOCK": 256}))
-    for res in (False, True):
-        out.append((f"rms_norm_res{int(res)}", N._rms_norm_kernel,
-                    {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
-                     "res_out_ptr": "*bf16", "H": "i32", "eps": "fp32",
-                     **_i32("stride_x", "stride_r", "stride_o", "stride_ro"),
-                     **_cx("HAS_RESIDUAL", "BLOCK_H")}, {"HAS_RESIDUAL": res, "BLOCK_H": 4096}))
-    out.append(("rotary", N._rotary_kernel,
-                {"x_ptr": "*bf16", "out_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32",
-                 "sin_ptr": "*fp32", **_i32("stride_xt", "stride_xh", "stride_ot", "stride_oh", "stride_c"),
-                 **_cx("NUM_HEADS", "HALF", "BLOCK_H")}, {"NUM_HEADS": 32, "HALF": 64, "BLOCK_H": 32}))
     return out
 
 

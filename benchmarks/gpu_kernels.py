@@ -33,7 +33,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from constrained_serve.kernels import attention as A  # noqa: E402
-from constrained_serve.kernels import norm as N  # noqa: E402
 from constrained_serve.kernels import sampling as S  # noqa: E402
 from tests.kernel_tests.helpers import expected_probs, make_batch  # noqa: E402
 
@@ -353,55 +352,6 @@ def sampling_timings(b: Bench, smoke: bool) -> None:
     })
 
 
-# --------------------------------------------------------------------------- norm / rotary
-
-
-def _rope_tables(max_pos: int, d: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-    f = torch.outer(torch.arange(max_pos, dtype=torch.float), inv)
-    emb = torch.cat((f, f), dim=-1)
-    return emb.cos().to(dev), emb.sin().to(dev)
-
-
-def norm_rotary(b: Bench, smoke: bool, timings: bool) -> None:
-    dev = b.device
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    T, H = (8, 96) if smoke else (8192, 4096)
-    hq, hkv, d = (4, 2, 64) if smoke else (32, 8, 128)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(T, H, generator=g).to(dev, dt)
-    r = torch.randn(T, H, generator=g).to(dev, dt)
-    w = (1 + 0.1 * torch.randn(H, generator=g)).to(dev, dt)
-    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(dev, dt)
-    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    q, k = q.view(T, hq, d), k.view(T, hkv, d)
-    cos, sin = _rope_tables(4096, d, dev)
-    pos = torch.randint(0, 4096, (T,), generator=g).to(dev)
-
-    def check_norm():
-        out, res = N.rms_norm_triton(x, w, 1e-5, r)
-        ref, ref_res = N.rms_norm_torch(x, w, 1e-5, r)
-        assert torch.equal(res, ref_res), "residual sum differs"
-        return _close(out, ref, 3e-2)
-
-    def check_rotary():
-        tq, tk = N.rotary_triton(pos, q, k, cos, sin)
-        rq, rk = N.rotary_torch(pos, q, k, cos, sin)
-        return {"q": _close(tq, rq, 3e-2)["max_abs_err"], "k": _close(tk, rk, 3e-2)["max_abs_err"]}
-
-    b.check("rms_norm_residual", check_norm)
-    b.check("rotary_qkv_views", check_rotary)
-    if timings:
-        b.compare("rms_norm_residual", {"tokens": T, "hidden": H}, {
-            "triton": lambda: N.rms_norm_triton(x, w, 1e-5, r),
-            "torch_reference": lambda: N.rms_norm_torch(x, w, 1e-5, r),
-        })
-        b.compare("rotary", {"tokens": T, "hq": hq, "hkv": hkv, "d": d}, {
-            "triton": lambda: N.rotary_triton(pos, q, k, cos, sin),
-            "torch_reference": lambda: N.rotary_torch(pos, q, k, cos, sin),
-        })
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Triton kernel checks and timings")
     ap.add_argument("--cpu-smoke", action="store_true",
@@ -420,7 +370,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     attention_checks(b, smoke)
     sampling_checks(b, smoke)
-    norm_rotary(b, smoke, timings=not args.no_timings)
     if not args.no_timings:
         attention_timings(b, smoke)
         sampling_timings(b, smoke)

@@ -11,11 +11,12 @@ import random
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from .cache.manager import KVCacheManager
+from .cache.pins import PinRegistry
 from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
@@ -30,6 +31,9 @@ from .result import Result
 from .runner import ModelRunner
 from .sampler import step_seed
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .grammar.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
 
@@ -98,17 +102,18 @@ class Engine:
         radix = RadixCache(self.pool, cfg.page_size) if cfg.enable_prefix_cache else None
         self.max_model_len = min(model_len, num_pages * cfg.page_size)
         runner = ModelRunner(self.model, num_pages, cfg.page_size, dev, self.dtype)
-        self.kv = KVCacheManager(self.pool, radix, copy_page_prefix=runner.copy_page_prefix)
-        scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens(dev))
-        eos = loader.eos_token_ids(self.hf_config, self.tokenizer)
-        self.core = EngineCore(runner, scheduler, self.kv, self.tokenizer, eos, self.max_model_len,
-                               grammar=None, overlap=cfg.overlap, fast_forward=cfg.fast_forward)
-        self._rng = random.Random(cfg.seed)
-        self._grammar = None
-        # One thread at a time drives the core (adds, steps, aborts). Calls from several
-        # threads still share batches: every step advances every caller's requests, and each
-        # caller only waits for its own to finish.
+        # One thread at a time drives the core (adds, steps, aborts) and changes the cache
+        # (conversation pins take it too). Calls from several threads still share batches:
+        # every step advances every caller's requests, and each caller only waits for its own.
         self._core_lock = threading.RLock()
+        pins = PinRegistry(self.pool, radix, self._core_lock, cfg.conversation_lock_fraction)
+        self.kv = KVCacheManager(self.pool, radix, pins=pins, copy_page_prefix=runner.copy_page_prefix)
+        scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens(dev))
+        self.eos_token_ids: frozenset[int] = frozenset(loader.eos_token_ids(self.hf_config, self.tokenizer))
+        self.core = EngineCore(runner, scheduler, self.kv, self.tokenizer, set(self.eos_token_ids),
+                               self.max_model_len, make_grammar=self._make_grammar, overlap=cfg.overlap,
+                               fast_forward=cfg.fast_forward)
+        self._rng = random.Random(cfg.seed)
         logger.info("engine ready: %s on %s (%s), %d KV pages of %d tokens", self.model_path, dev,
                     self.dtype, num_pages, cfg.page_size)
 
@@ -130,24 +135,21 @@ class Engine:
         return self.model.arch.vocab_size
 
     @property
-    def grammar(self):
+    def grammar(self) -> "GrammarManager":
         """The GrammarManager, created on first use (building the token tables takes a moment)."""
-        if self._grammar is None:  # the lock only for the first use: a step may be holding it
-            with self._core_lock:
-                if self._grammar is None:
-                    from .grammar.manager import GrammarManager
+        return self.core.grammar_manager()
 
-                    cfg = self.config
-                    grammar = GrammarManager(self.tokenizer, self.vocab_size, default_backend=cfg.grammar_backend,
-                                             eos_token_ids=sorted(self.core.eos_token_ids),
-                                             mask_threads=self._mask_workers(),
-                                             compile_timeout_s=cfg.grammar_compile_timeout_s,
-                                             mask_timeout_s=cfg.grammar_mask_timeout_s,
-                                             isolation=cfg.grammar_isolation, max_rows=cfg.max_num_seqs)
-                    grammar.warm_up()  # its workers start while the first spec compiles
-                    self.core.grammar = grammar
-                    self._grammar = grammar  # published last: other threads see it complete
-        return self._grammar
+    def _make_grammar(self) -> "GrammarManager":
+        from .grammar.manager import GrammarManager
+
+        cfg = self.config
+        grammar = GrammarManager(self.tokenizer, self.vocab_size, default_backend=cfg.grammar_backend,
+                                 eos_token_ids=sorted(self.eos_token_ids), mask_threads=self._mask_workers(),
+                                 compile_timeout_s=cfg.grammar_compile_timeout_s,
+                                 mask_timeout_s=cfg.grammar_mask_timeout_s,
+                                 isolation=cfg.grammar_isolation, max_rows=cfg.max_num_seqs)
+        grammar.warm_up()  # its workers start while the first spec compiles
+        return grammar
 
     def _mask_workers(self) -> int:
         """On CPU one (the forward has the cores); on CUDA rows split over up to 8 workers."""
@@ -222,7 +224,7 @@ class Engine:
         if isinstance(x, Result):
             return x
         group = x if isinstance(x, list) else [x]
-        return outputs.result_of(group, prompt, raise_on_error, self._grammar, self.max_model_len)
+        return outputs.result_of(group, prompt, raise_on_error, self.core.grammar, self.max_model_len)
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None,

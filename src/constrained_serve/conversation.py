@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .detokenizer import IncrementalDetokenizer, encode, encode_continuation
@@ -34,35 +32,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class HistoryPin:
-    """A conversation's hold on its cached history: the locked radix node, and one pool
-    reference on each of its pages. Kept apart from the Conversation so that the engine can
-    release it after the conversation is garbage-collected (see ``EngineCore.orphaned_pins``)."""
-
-    node: Any = None
-    pages: list[int] = field(default_factory=list)
-
-    def forget(self) -> None:
-        """Hold nothing, giving nothing back (released, or the whole KV cache was reset)."""
-        self.node, self.pages = None, []
-
-
 class Conversation:
     def __init__(self, engine: "Engine", system: str | None = None, params: SamplingParams | None = None) -> None:
         self.engine = engine
         self.params = params or SamplingParams()
         self.history: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         self.token_ids: list[int] = []  # the exact history, as the model saw and wrote it
-        self._pin = HistoryPin()
+        # The hold on the cached history (cache/pins.py): released by close(), or at the
+        # engine's next step after this conversation is garbage-collected.
+        self._pin = engine.kv.pins.open(self)
         self.closed = False
         self._turn = threading.Lock()  # held while a turn is in flight
-        with engine._core_lock:
-            engine.core.page_holders.add(self)
-        # A conversation dropped without close() gives its pin back at the engine's next
-        # step. The collector may run this on any thread, even mid-step on the mask thread,
-        # so it only queues the pin: taking the core lock there deadlocked.
-        weakref.finalize(self, engine.core.orphaned_pins.append, self._pin)
 
     @property
     def pages(self) -> list[int]:
@@ -109,7 +89,7 @@ class Conversation:
             out = _ids_for_text(self.engine.tokenizer, prompt_ids, out, res.text)
         ids = list(prompt_ids) + out
         eos = self.engine.tokenizer.eos_token_id
-        if not out or out[-1] not in self.engine.core.eos_token_ids:
+        if not out or out[-1] not in self.engine.eos_token_ids:
             # Truncated or stopped by a stop string: close the turn so the template stays valid.
             ids.append(eos)
         history = self.history + [{"role": "user", "content": content}, {"role": "assistant", "content": res.text}]
@@ -121,39 +101,17 @@ class Conversation:
 
     # ------------------------------------------------------------------ pinning
     def _pin_history(self) -> None:
-        """Lock the cached history so eviction cannot take it while the conversation is open."""
-        with self.engine._core_lock:  # the radix tree and page refcounts are the core's
-            self.engine.core._release_orphaned_pins()  # they count against the limit below
-            self.unpin()
-            if self.closed:  # closed while its last turn ran: nothing to keep
-                return
-            kv = self.engine.kv
-            if kv.radix is None:
-                return
-            m = kv.radix.match_prefix(self.token_ids)
-            if m.num_tokens == 0:
-                return
-            pinned = sum(len(c.pages) for c in self.engine.core.page_holders if c is not self)
-            limit = int(self.engine.config.conversation_lock_fraction * kv.pool.num_pages)
-            if pinned + len(m.pages) > limit:
-                logger.info("conversation history not pinned: pinned pages would exceed %d", limit)
-                return
-            kv.radix.lock(m.node)
-            kv.pool.incref(m.pages)
-            self._pin.node, self._pin.pages = m.node, list(m.pages)
+        """Lock the cached history so eviction cannot take it while the conversation is open
+        (not once closed: a turn that ran while close() was called keeps nothing)."""
+        self.engine.kv.pins.pin(self._pin, self.token_ids)
 
     def unpin(self) -> None:
-        """Make the cached history evictable again (the engine calls this when out of pages)."""
-        with self.engine._core_lock:
-            self.engine.core.release_pin(self._pin)
+        """Make the cached history evictable again (its next turn pins it again)."""
+        self.engine.kv.pins.release(self._pin)
 
     def close(self) -> None:
-        # closed is set under the lock _pin_history takes: no re-pin after
-        with self.engine._core_lock:
-            if not self.closed:
-                self.closed = True
-                self.unpin()
-                self.engine.core.page_holders.discard(self)
+        self.closed = True
+        self.engine.kv.pins.close(self._pin)
 
     def __enter__(self) -> "Conversation":
         return self

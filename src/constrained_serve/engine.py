@@ -19,24 +19,28 @@ from __future__ import annotations
 
 import copy
 import logging
-import weakref
+import threading
+from typing import TYPE_CHECKING, Callable
 
-
+from .batch import Batch
 from .cache.manager import KVCacheManager
 from .detokenizer import IncrementalDetokenizer, batch_decoder
 from .interrupts import sigint_deferred
 from .request import Request
-from .batch import Batch
 from .runner import ModelRunner
 from .sampler import Sampler, record_prompt_logprobs
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .grammar.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, kv: KVCacheManager, tokenizer,
-                 eos_token_ids: set[int], max_model_len: int, grammar=None, overlap: bool = True,
+                 eos_token_ids: set[int], max_model_len: int,
+                 make_grammar: "Callable[[], GrammarManager] | None" = None, overlap: bool = True,
                  fast_forward: bool = True) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -44,7 +48,11 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.grammar = grammar  # GrammarManager (created lazily by the API)
+        # The GrammarManager, made by grammar_manager() when the first spec arrives: None
+        # while no request has asked for one (the steps skip grammar work then).
+        self.grammar: "GrammarManager | None" = None
+        self._make_grammar = make_grammar
+        self._grammar_lock = threading.Lock()
         self.overlap = overlap
         self.fast_forward = fast_forward
         self.sampler = Sampler(runner.device)
@@ -53,36 +61,19 @@ class EngineCore:
         self.num_steps = 0
         self.check_each_step = False  # tests turn this on: integrity check after every step
         self.finished_queue: list[Request] = []
-        # Open conversations pinning cached pages. Weak: a conversation the user dropped
-        # without close() must not pin its history for good. Its pin comes back through
-        # orphaned_pins (appended by a finalizer, on whatever thread the collector ran).
-        self.page_holders: weakref.WeakSet = weakref.WeakSet()
-        self.orphaned_pins: list = []
         self._in_step = False
         self._masks = None  # PendingMasks: the mask fill of the step running
         self._deferred_aborts: list[tuple] = []
-        kv.release_pins = self._release_pins
 
-    def release_pin(self, pin) -> None:
-        """Give back a conversation's HistoryPin (radix lock and page refs); idempotent."""
-        with sigint_deferred():  # an unlock without its decref would leak the pages
-            if pin.node is not None:
-                self.kv.radix.unlock(pin.node)
-                self.kv.pool.decref(pin.pages)
-            pin.forget()
-
-    def _release_orphaned_pins(self) -> None:
-        while self.orphaned_pins:
-            self.release_pin(self.orphaned_pins.pop())
-
-    def _release_pins(self) -> None:
-        """Out of pages: unpin every open conversation's history (see KVCacheManager)."""
-        self._release_orphaned_pins()
-        pinned = [c for c in self.page_holders if c.pages]
-        if pinned:
-            logger.info("KV cache full: unpinning the history of %d open conversation(s)", len(pinned))
-        for c in pinned:
-            c.unpin()
+    def grammar_manager(self) -> "GrammarManager":
+        """The GrammarManager, made on first use (its token tables take a moment)."""
+        if self.grammar is None:
+            with self._grammar_lock:
+                if self.grammar is None:
+                    if self._make_grammar is None:
+                        raise RuntimeError("this EngineCore was built without grammar support (make_grammar)")
+                    self.grammar = self._make_grammar()  # published whole: other threads see it complete
+        return self.grammar
 
     # ------------------------------------------------------------------ requests
     def add(self, r: Request) -> None:
@@ -176,7 +167,8 @@ class EngineCore:
         """Run one step; return the requests that finished during it. Ctrl-C waits for the
         step to end (interrupts.py), and aborts asked for during the step apply after it."""
         with sigint_deferred(interrupt_on_second=True):
-            self._release_orphaned_pins()
+            if self.kv.pins is not None:
+                self.kv.pins.release_orphans()  # of conversations collected without close()
             self._in_step = True
             try:
                 self._step()
@@ -206,10 +198,7 @@ class EngineCore:
             r.finish_reason, r.error, r.error_type = "abort", why, "KeyboardInterrupt"
             self.finished_queue.append(r)
         # The conversations keep their history; their next turn recomputes its KV.
-        for pin in [c._pin for c in self.page_holders] + self.orphaned_pins:
-            pin.forget()
-        self.orphaned_pins.clear()
-        self.kv.reset()
+        self.kv.reset()  # their pins too
         logger.warning("%s: every unfinished request failed, the KV cache was cleared", why)
 
     def _step(self) -> None:
@@ -391,5 +380,4 @@ class EngineCore:
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
-        holders = list(self.scheduler.running) + [c._pin for c in self.page_holders]
-        self.kv.check_integrity(holders + self.orphaned_pins)
+        self.kv.check_integrity(list(self.scheduler.running))

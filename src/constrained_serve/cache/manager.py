@@ -9,32 +9,31 @@ reference on pages it adopts), the node is unlocked, and the request drops its r
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..request import Request
 from .pool import OutOfPages, PagePool
+
+if TYPE_CHECKING:
+    from .pins import PinRegistry
 
 logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
-    def __init__(self, pool: PagePool, radix=None,
+    def __init__(self, pool: PagePool, radix=None, pins: "PinRegistry | None" = None,
                  copy_page_prefix: Callable[[int, int, int], None] | None = None) -> None:
         self.pool = pool
-        # Lets open conversations drop the lock on their cached history (set by the engine).
-        # The scheduler asks for it only as a last resort: when a request could not run at
-        # all otherwise (it runs alone, or nothing runs and it waits first in line). A conversation
-        # whose history is then evicted recomputes it on its next turn.
-        self.release_pins: Callable[[], None] | None = None
+        # Open conversations' locks on their cached history (pins.py). The scheduler has them
+        # released only as a last resort: when a request could not run at all otherwise (it
+        # runs alone, or nothing runs and it waits first in line). A conversation whose
+        # history is then evicted recomputes it on its next turn.
+        self.pins = pins
         self.page_size = pool.page_size
         self.radix = radix  # RadixCache or None (prefix caching off)
         # copy_page_prefix(src, dst, n): copy the KV of the first n slots of page src into page
         # dst in every layer (the runner's). None: prefixes are reused in whole pages only.
         self.copy_page_prefix = copy_page_prefix
-
-    @property
-    def total_tokens(self) -> int:
-        return self.pool.num_pages * self.page_size
 
     def match_prefix(self, r: Request) -> None:
         """At admission: reuse the longest cached prefix (keeping >= 1 token to compute).
@@ -77,13 +76,13 @@ class KVCacheManager:
 
     def ensure_pages(self, r: Request, num_tokens: int, unpin: bool = False) -> bool:
         """Give r pages for num_tokens; ``unpin``: if eviction is not enough, release the
-        conversations' pins (see ``release_pins``) and evict again."""
+        conversations' pins (``pins.release_all``) and evict again."""
         need = PagePool.pages_for(num_tokens, self.page_size) - len(r.pages)
         if need <= 0:
             return True
         pages = self._allocate(need)
-        if pages is None and unpin and self.release_pins is not None:
-            self.release_pins()
+        if pages is None and unpin and self.pins is not None:
+            self.pins.release_all()
             pages = self._allocate(need)
         if pages is None:
             return False
@@ -138,7 +137,10 @@ class KVCacheManager:
     def reset(self) -> None:
         """Forget every page reference: all pages free, the prefix cache empty. Only for
         when the holders' page tables cannot be trusted (a step cut short), and only after
-        every holder dropped its pages without giving them back."""
+        every holder dropped its pages without giving them back (conversation pins are
+        emptied here)."""
+        if self.pins is not None:
+            self.pins.forget_all()
         self.pool.reset()
         if self.radix is not None:
             self.radix.forget()
@@ -146,7 +148,8 @@ class KVCacheManager:
     def check_integrity(self, holders: list) -> None:
         """free + cached-only + in use by requests == total (tests call this after every step).
 
-        ``holders``: running requests and open conversations (anything with ``.pages``)."""
+        ``holders``: running requests (anything with ``.pages``); conversation pins are added here."""
+        holders = list(holders) + (self.pins.holders() if self.pins is not None else [])
         self.pool.check_integrity()
         in_use = set()
         for r in holders:

@@ -77,9 +77,6 @@ class Node:
     def num_pages(self) -> int:
         return len(self.pages)
 
-    def is_leaf(self) -> bool:
-        return not self.children
-
 
 @dataclass(slots=True, frozen=True)
 class MatchResult:

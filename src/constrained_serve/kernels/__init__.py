@@ -7,7 +7,6 @@
   fp32 masked softmax both plans use.
 - sampling.py: apply_bitmask_{torch,triton}, sample_{torch,triton} (fused mask, temperature,
   top-k/top-p/min-p, seeded Gumbel draw).
-- norm.py: rms_norm_{torch,triton} (+ residual), rotary_{torch,triton}.
 - dispatch.py: picks Triton on CUDA, the references elsewhere (CONSTRAINED_SERVE_KERNELS).
 - onednn.py: oneDNN matmuls on CPU (the prepacked projections and the per-head prefill attention).
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from . import attention, norm, sampling
+from . import attention, sampling
 from ..batch import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -60,12 +60,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return attention.paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    if use_triton(logits.device):
-        return sampling.apply_bitmask_triton(logits, bitmask)
-    return sampling.apply_bitmask_torch(logits, bitmask)
-
-
 def sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
            top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
            *, all_greedy: bool = False) -> torch.Tensor:
@@ -75,17 +69,3 @@ def sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torc
     return sampling.sample_torch(logits, bitmask, temperature, top_k, top_p, min_p, seeds,
                                  all_greedy=all_greedy)
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if use_triton(x.device) and x.shape[-1] <= 65536:
-        return norm.rms_norm_triton(x, weight, eps, residual)
-    return norm.rms_norm_torch(x, weight, eps, residual)
-
-
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    half = q.shape[-1] // 2
-    if use_triton(q.device) and q.shape[-1] % 2 == 0 and half & (half - 1) == 0:
-        return norm.rotary_triton(positions, q, k, cos, sin)
-    return norm.rotary_torch(positions, q, k, cos, sin)

@@ -319,6 +319,3 @@ def build_model(src: ModelSource, hf_config, dtype: torch.dtype, device: torch.d
         model.pack_for_cpu()
     return model
 
-
-def config_to_json(cfg) -> str:
-    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
