@@ -295,18 +295,18 @@ def test_sampled_outputs_always_match(tiny_engine_factory):
 
 def test_request_waits_while_its_grammar_compiles(tiny_engine_factory):
     """A request whose compile is still running is not admitted; the others keep decoding."""
-    from constrained_serve.request import Request
+    from constrained_serve.request import GrammarState, Request
 
     eng = tiny_engine_factory()
     eng.grammar  # create the manager
     slow = Request(eng.encode_prompt("slow"), SamplingParams(max_tokens=3, ignore_eos=True))
-    slow.grammar_future = Future()  # compile "in progress"
+    slow.grammar = GrammarState(future=Future())  # compile "in progress"
     fast = Request(eng.encode_prompt("fast"), SamplingParams(max_tokens=3, ignore_eos=True))
     eng.core.add(slow)
     eng.core.add(fast)
     while not fast.finished:
         eng.core.step()
     assert slow.num_computed == 0 and not slow.finished
-    slow.grammar_future.set_exception(GrammarError("boom", backend="test"))
+    slow.grammar.future.set_exception(GrammarError("boom", backend="test"))
     eng.core.step()
     assert slow.finished and slow.error_type == "GrammarError"

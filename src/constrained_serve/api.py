@@ -11,7 +11,7 @@ import random
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
@@ -26,7 +26,7 @@ from .errors import GrammarError, OutputError, PromptTooLongError
 from .models import loader
 from .models.llama import sliding_window_of
 from .params import OutputSpec, SamplingParams
-from .request import Request
+from .request import GrammarState, Request
 from .result import Result
 from .runner import ModelRunner
 from .sampler import step_seed
@@ -57,7 +57,18 @@ def _requests(x: Request | list[Request] | Result) -> list[Request]:
 
 
 Messages = list[dict[str, Any]]
+ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]  # one for all items, or one each
 _SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
+
+
+def split_chat_messages(messages: Any) -> tuple[list[Messages], bool]:
+    """``chat()``'s input as a list of conversations, and whether it was one conversation
+    (a list of messages) rather than a list of them."""
+    if isinstance(messages, (str, bytes, dict)):
+        raise TypeError(f"chat() takes a list of {{'role': ..., 'content': ...}} messages (or a list of such "
+                        f"lists), got a {type(messages).__name__}; for raw text use generate()")
+    single = len(messages) > 0 and isinstance(messages[0], dict)
+    return ([messages] if single else list(messages)), single
 
 
 @dataclass(frozen=True)
@@ -215,7 +226,7 @@ class Engine:
         if params.prompt_logprobs is not None and sample == 0:  # the samples share one prompt
             r.prompt_logprobs = [None]
         if spec is not None:
-            r.grammar_future = self.grammar.compile_async(spec, backend, params.compile_timeout_s)
+            r.grammar = GrammarState(future=self.grammar.compile_async(spec, backend, params.compile_timeout_s))
         return r
 
     # ------------------------------------------------------------------ outputs
@@ -232,9 +243,9 @@ class Engine:
         """Raw prompts (no chat template). One Result per prompt, in input order.
 
         ``params`` is one SamplingParams for all prompts or a list with one per prompt."""
-        if isinstance(prompts, str):
-            return self._run([prompts], params, False, progress, raise_on_error, spec_kwargs, single=True)
-        return self._run(list(prompts), params, False, progress, raise_on_error, spec_kwargs, single=False)
+        single = isinstance(prompts, str)
+        return self._run([prompts] if single else list(prompts), params, chat=False, progress=progress,
+                         raise_on_error=raise_on_error, spec_kwargs=spec_kwargs, single=single)
 
     def chat(self, messages: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -242,12 +253,9 @@ class Engine:
         """Message lists, rendered with the model's chat template. One Result per conversation.
 
         ``params`` is one SamplingParams for all conversations or a list with one per conversation."""
-        if isinstance(messages, (str, bytes, dict)):
-            raise TypeError(f"chat() takes a list of {{'role': ..., 'content': ...}} messages (or a list of such "
-                            f"lists), got a {type(messages).__name__}; for raw text use generate()")
-        single = len(messages) > 0 and isinstance(messages[0], dict)
-        items = [messages] if single else list(messages)
-        return self._run(items, params, True, progress, raise_on_error, spec_kwargs, single=single)
+        items, single = split_chat_messages(messages)
+        return self._run(items, params, chat=True, progress=progress, raise_on_error=raise_on_error,
+                         spec_kwargs=spec_kwargs, single=single)
 
     @staticmethod
     def _spec_args(spec_kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -262,10 +270,10 @@ class Engine:
             raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
         return backend, spec_args
 
-    def _run(self, items: list, params: SamplingParams | Sequence[SamplingParams] | None, chat: bool, progress: bool,
-             raise_on_error: bool, spec_kwargs: dict[str, Any], single: bool) -> list[Result]:
-        return list(self._iter(items, params, chat, progress, raise_on_error, spec_kwargs, single,
-                               max_in_flight=None, total=len(items)))
+    def _run(self, items: list[Any], params: ParamsArg, *, chat: bool, progress: bool, raise_on_error: bool,
+             spec_kwargs: dict[str, Any], single: bool) -> list[Result]:
+        return list(self._iter(items, params, chat=chat, progress=progress, raise_on_error=raise_on_error,
+                               spec_kwargs=spec_kwargs, single=single, max_in_flight=None, total=len(items)))
 
     def generate_iter(self, prompts: Iterable[Any], params: SamplingParams | None = None, *, chat: bool = False,
                       max_in_flight: int = 256, progress: bool = False, raise_on_error: bool = False,
@@ -275,10 +283,10 @@ class Engine:
         counts ``n``), so memory stays bounded however long the iterable.
 
         Per-item problems (too long, bad per-item input) come back as error Results."""
-        return self._iter(prompts, params, chat, progress, raise_on_error, spec_kwargs, single=False,
-                          max_in_flight=max_in_flight, total=None)
+        return self._iter(prompts, params, chat=chat, progress=progress, raise_on_error=raise_on_error,
+                          spec_kwargs=spec_kwargs, single=False, max_in_flight=max_in_flight, total=None)
 
-    def _plan(self, items: Iterable[Any], params, chat: bool, spec_kwargs: dict[str, Any]) -> "_CallPlan":
+    def _plan(self, items: Iterable[Any], params: ParamsArg, chat: bool, spec_kwargs: dict[str, Any]) -> "_CallPlan":
         """What every item of one call shares: its params, its spec(s), the grammar backend.
         A bad shared spec raises here, before any model work."""
         params_at = self._params_per_item(items, params)
@@ -307,8 +315,9 @@ class Engine:
         p = plan.params_at(i)
         return [self._new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
 
-    def _iter(self, items: Iterable[Any], params, chat, progress, raise_on_error, spec_kwargs, single,
-              max_in_flight: int | None, total: int | None) -> Iterator[Result]:
+    def _iter(self, items: Iterable[Any], params: ParamsArg, *, chat: bool, progress: bool, raise_on_error: bool,
+              spec_kwargs: dict[str, Any], single: bool, max_in_flight: int | None,
+              total: int | None) -> Iterator[Result]:
         plan = self._plan(items, params, chat, spec_kwargs)
         bar = None
         if progress:

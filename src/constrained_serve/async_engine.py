@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from . import outputs
+from .api import ParamsArg, split_chat_messages
 from .errors import OutputError
 from .params import SamplingParams
 from .request import Request
@@ -195,21 +196,18 @@ class AsyncEngine:
                        *, raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
         """As ``Engine.generate``: raw prompts, one Result per prompt, in input order."""
         single = isinstance(prompts, str)
-        return await self._run([prompts] if single else list(prompts), params, False, raise_on_error,
-                               spec_kwargs, single)
+        return await self._run([prompts] if single else list(prompts), params, chat=False,
+                               raise_on_error=raise_on_error, spec_kwargs=spec_kwargs, single=single)
 
     async def chat(self, messages: Any, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                    raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
         """As ``Engine.chat``: message lists through the chat template."""
-        if isinstance(messages, (str, bytes, dict)):
-            raise TypeError(f"chat() takes a list of {{'role': ..., 'content': ...}} messages (or a list of such "
-                            f"lists), got a {type(messages).__name__}; for raw text use generate()")
-        single = len(messages) > 0 and isinstance(messages[0], dict)
-        return await self._run([messages] if single else list(messages), params, True, raise_on_error,
-                               spec_kwargs, single)
+        items, single = split_chat_messages(messages)
+        return await self._run(items, params, chat=True, raise_on_error=raise_on_error, spec_kwargs=spec_kwargs,
+                               single=single)
 
-    async def _run(self, items: list, params, chat: bool, raise_on_error: bool, spec_kwargs: dict[str, Any],
-                   single: bool) -> list[Result]:
+    async def _run(self, items: list[Any], params: ParamsArg, *, chat: bool, raise_on_error: bool,
+                   spec_kwargs: dict[str, Any], single: bool) -> list[Result]:
         eng = self.engine
         # Tokenizing and compiling take milliseconds to seconds: not on the event loop.
         entries = await asyncio.to_thread(self._build, items, params, chat, raise_on_error, spec_kwargs, single)
@@ -230,7 +228,7 @@ class AsyncEngine:
         return [eng._hand_back(x if not isinstance(x, list) or len(x) > 1 else x[0], item, raise_on_error)
                 for x, item in zip(entries, items)]
 
-    def _build(self, items: list, params, chat: bool, raise_on_error: bool, spec_kwargs: dict[str, Any],
+    def _build(self, items: list[Any], params: ParamsArg, chat: bool, raise_on_error: bool, spec_kwargs: dict[str, Any],
                single: bool) -> list[list[Request] | Result]:
         eng = self.engine
         plan = eng._plan(items, params, chat, spec_kwargs)

@@ -107,17 +107,16 @@ class EngineCore:
         and append the tokens their grammar forces before the first sampled one."""
         ready = []
         for r in list(self.scheduler.waiting):
-            fut = r.grammar_future
-            if fut is None or r.matcher is not None or not fut.done():
+            g = r.grammar
+            if g is None or g.future is None or not g.future.done():
                 continue
             try:
-                compiled = fut.result()
+                compiled = g.future.result()
             except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
                 self._abort(r, "abort", str(e), type(e).__name__)
                 continue
-            r.compiled = compiled
-            r.matcher = self.grammar.new_matcher(compiled, r.params.mask_timeout_s)
-            r.grammar_future = None
+            g.compiled, g.future = compiled, None
+            g.matcher = self.grammar.new_matcher(compiled, r.params.mask_timeout_s)
             ready.append(r)
         if not ready:
             return
@@ -239,7 +238,7 @@ class EngineCore:
 
     def _only_compiling(self) -> bool:
         """Waiting requests whose grammar is not attached yet (compiling, or just done)."""
-        return any(r.grammar_future is not None for r in self.scheduler.waiting)
+        return any(r.compiling for r in self.scheduler.waiting)
 
     def _drain(self) -> list[Request]:
         done, self.finished_queue = self.finished_queue, []

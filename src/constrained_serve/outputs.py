@@ -56,8 +56,8 @@ def _result(r: Request, prompt: Any, raise_on_error: bool, grammar: Any, max_mod
                              f"match but may be cut short; nothing was repaired")
             else:
                 res.error = f"output truncated at {limit} before the {r.spec.kind} was complete; nothing was repaired"
-        elif (res.finish_reason == "stop" and r.stop_reason is not None and r.compiled is not None
-              and not grammar.matches(r.compiled, text)):
+        elif (res.finish_reason == "stop" and r.stop_reason is not None and r.grammar is not None
+              and r.grammar.compiled is not None and not grammar.matches(r.grammar.compiled, text)):
             what = "stop string" if isinstance(r.stop_reason, str) else "stop token"
             res.error_type = "truncated"
             res.error = (f"output cut by {what} {r.stop_reason!r} before the {r.spec.kind} "

@@ -11,10 +11,17 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from .detokenizer import cut_at_stop
+from .detokenizer import IncrementalDetokenizer, cut_at_stop
 from .params import OutputSpec, SamplingParams
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from .cache.radix import Node
+    from .grammar.base import CompiledGrammar
+    from .grammar.matchers import MatcherHandle
 
 _ids = itertools.count()
 
@@ -23,6 +30,16 @@ class Status(enum.Enum):
     WAITING = "waiting"  # not admitted (or preempted): holds no pages
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class GrammarState:
+    """A constrained request's grammar: compiling in the background (``future``) until the
+    engine attaches it before a schedule (``compiled`` and a ``matcher`` of it)."""
+
+    future: "Future[CompiledGrammar] | None" = None
+    compiled: "CompiledGrammar | None" = None
+    matcher: "MatcherHandle | None" = None
 
 
 @dataclass(eq=False)
@@ -38,22 +55,19 @@ class Request:
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served by the prefix cache at (first) admission
     pages: list[int] = field(default_factory=list)
-    cache_node: Any = None  # locked radix node covering pages[:num_shared // page_size]
+    cache_node: "Node | None" = None  # locked radix node covering pages[:num_shared // page_size]
     num_shared: int = 0  # leading tokens whose pages are shared with the prefix cache
     status: Status = Status.WAITING
 
-    # grammar
-    grammar_future: Any = None
-    compiled: Any = None  # the CompiledGrammar its matcher came from
-    matcher: Any = None
-    num_forced: int = 0
+    grammar: GrammarState | None = None  # None: unconstrained
+    num_forced: int = 0  # output tokens the grammar forced (not sampled)
 
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     error_type: str | None = None
     num_preemptions: int = 0
-    detok: Any = None
+    detok: IncrementalDetokenizer | None = None  # made when the engine takes the request
     stop_scanned: int = 0  # characters of detok.text already searched for stop strings
     text_mark: int = 0  # len(detok.text) before the latest tokens were pushed
     text_end: int | None = None  # set by a stop token: its text is left out, as in vLLM
@@ -69,6 +83,15 @@ class Request:
             self.token_ids = list(self.prompt_ids)
         if (self.params.logprobs is not None or self.params.field_confidence) and self.logprobs is None:
             self.logprobs = []
+
+    @property
+    def matcher(self) -> "MatcherHandle | None":
+        return self.grammar.matcher if self.grammar is not None else None
+
+    @property
+    def compiling(self) -> bool:
+        """Its grammar is compiling, or compiled but not attached yet."""
+        return self.grammar is not None and self.grammar.future is not None
 
     @property
     def num_prompt(self) -> int:

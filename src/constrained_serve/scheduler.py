@@ -81,7 +81,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting.popleft()
-            if r.grammar_future is not None:
+            if r.compiling:
                 # Its grammar is compiling, or compiled but not attached yet (the engine
                 # attaches matchers before the next schedule): let the others go ahead.
                 skipped.append(r)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..errors import GrammarError
 from ..params import OutputSpec
 from .tokenizer_data import TokenizerData
 
@@ -123,6 +124,12 @@ class GrammarBackend(abc.ABC):
     def matches(self, compiled: CompiledGrammar, text: str) -> bool:
         """``text`` as a whole is a complete match of the grammar, however it is tokenized
         (checks an output that a stop string cut at an arbitrary character)."""
+
+    def _error(self, spec: OutputSpec, reason: str, prefix: str = "cannot compile") -> GrammarError:
+        """The error every backend raises for a spec: the backend, what failed, the spec's
+        start (up to 200 characters) and the reason."""
+        snippet = spec.text if len(spec.text) <= 200 else spec.text[:200] + "..."
+        return GrammarError(f"{self.name} {prefix} {spec.kind} {snippet!r}: {reason}", backend=self.name, reason=reason)
 
     def only_eos_allowed(self, matcher: GrammarMatcher) -> bool:
         """The matcher's next-token mask allows no token but EOS (one mask fill)."""

@@ -216,11 +216,6 @@ class LLGuidanceBackend(GrammarBackend):
             raise self._error(spec, template.get_error())
         return CompiledGrammar(self.name, spec, template, payload=payload)
 
-    def _error(self, spec: OutputSpec, reason: str, prefix: str = "cannot compile") -> GrammarError:
-        snippet = spec.text if len(spec.text) <= 200 else spec.text[:200] + "..."
-        return GrammarError(f"llguidance {prefix} {spec.kind} {snippet!r}: {reason}",
-                            backend=self.name, reason=reason)
-
     # -- matchers ------------------------------------------------------------------------
     def new_matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(compiled.handle.deep_copy(), self.width, self._eos)

@@ -214,11 +214,6 @@ class XGrammarBackend(GrammarBackend):
         raise self._error(spec, f"rule(s) {', '.join(stuck[:5])} of its grammar can never end: an output "
                                 f"that entered one could never be complete", prefix="refuses")
 
-    def _error(self, spec: OutputSpec, reason: str, prefix: str = "cannot compile") -> GrammarError:
-        snippet = spec.text if len(spec.text) <= 200 else spec.text[:200] + "..."
-        return GrammarError(f"xgrammar {prefix} {spec.kind} {snippet!r}: {reason}",
-                            backend=self.name, reason=reason)
-
     def new_matcher(self, compiled: CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.handle, override_stop_tokens=self.eos_token_ids), self)
 

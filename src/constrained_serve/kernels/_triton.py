@@ -10,3 +10,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
     HAS_TRITON = False
+
+
+def require_triton() -> None:
+    """Raise a clear error where a Triton kernel is called without Triton."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed: use the torch reference kernels "
+                           "(CONSTRAINED_SERVE_KERNELS=torch) or `pip install triton`")

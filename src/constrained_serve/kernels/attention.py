@@ -53,7 +53,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # --------------------------------------------------------------------------------------------
 # Triton kernels. Imported lazily so the package (and the CPU path) works without triton.
 # --------------------------------------------------------------------------------------------
-from ._triton import HAS_TRITON, tl, triton  # noqa: F401
+from ._triton import HAS_TRITON, require_triton, tl, triton  # noqa: F401
 
 
 def _interpreting() -> bool:
@@ -230,16 +230,10 @@ if HAS_TRITON:
                  o.to(out_ptr.dtype.element_ty))
 
 
-def _require_triton() -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed: use the torch reference kernels "
-                           "(CONSTRAINED_SERVE_KERNELS=torch) or `pip install triton`")
-
-
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
     """Triton version of :func:`store_kv_torch`; slots < 0 are skipped (padding)."""
-    _require_triton()
+    require_triton()
     num_tokens, hkv, d = k.shape
     if num_tokens == 0:
         return
@@ -284,7 +278,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     host-side sizes (:func:`default_num_splits`: only for all-decode batches).
     ``block_m`` sets the rows per program of the prefill launch.
     """
-    _require_triton()
+    require_triton()
     num_tokens, hq, d = q.shape
     _, page_size, hkv, dk = k_cache.shape
     assert dk == d and hq % hkv == 0, "q/k head shapes disagree"

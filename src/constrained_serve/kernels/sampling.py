@@ -116,7 +116,7 @@ def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature
 # differs from the reference's torch generator, so the two agree in distribution, not draw
 # for draw.
 # --------------------------------------------------------------------------------------------
-from ._triton import HAS_TRITON, tl, triton  # noqa: F401
+from ._triton import HAS_TRITON, require_triton, tl, triton  # noqa: F401
 
 
 if HAS_TRITON:
@@ -267,12 +267,6 @@ if HAS_TRITON:
             tl.store(out_ptr + rows, tl.where(sampling, g_idx, best_idx).to(tl.int64), mask=row_ok)
 
 
-def _require_triton() -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed: use the torch reference kernels "
-                           "(CONSTRAINED_SERVE_KERNELS=torch) or `pip install triton`")
-
-
 def _interpreting() -> bool:
     import os
 
@@ -282,7 +276,7 @@ def _interpreting() -> bool:
 def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, *,
                          block_v: int = 1024) -> torch.Tensor:
     """Triton version of :func:`apply_bitmask_torch` (in place, returns logits)."""
-    _require_triton()
+    require_triton()
     R, V = logits.shape
     assert bitmask.shape[0] == R and bitmask.shape[1] * 32 >= V, "bitmask must be [R, ceil(V/32)]"
     assert logits.stride(-1) == 1 and bitmask.stride(-1) == 1
@@ -302,7 +296,7 @@ def sample_triton(logits: torch.Tensor, bitmask: torch.Tensor | None, temperatur
 
     Same arguments and result (int64 [R]); logits are read, never written.
     """
-    _require_triton()
+    require_triton()
     R, V = logits.shape
     assert logits.stride(-1) == 1
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
