@@ -1,4 +1,5 @@
-"""Continuous batching, chunked prefill and preemption never change greedy outputs."""
+"""The engine's step loop: continuous batching, chunked prefill and preemption never change
+greedy outputs; decodes are never stalled by a long prefill; prompts too long are refused."""
 import pytest
 
 from constrained_serve import Engine, SamplingParams

@@ -57,9 +57,10 @@ def test_dispatch_forced_triton_runs_under_interpreter(monkeypatch):
     tokens = dispatch.sample(logits, None, z, z.long(), z + 1, z, torch.arange(3))
     assert torch.equal(tokens, logits.argmax(-1))
     bitmask = torch.full((3, 2), -1, dtype=torch.int32)
-    bitmask[0, 0] = 0
-    assert torch.equal(dispatch.apply_bitmask(logits.clone(), bitmask),
-                       sampling.apply_bitmask_torch(logits.clone(), bitmask))
+    bitmask[0] = torch.tensor([1, 0], dtype=torch.int32)  # row 0 allows token 0 only
+    masked = dispatch.sample(logits.clone(), bitmask, z, z.long(), z + 1, z, torch.arange(3))
+    assert masked[0] == 0
+    assert torch.equal(masked, sampling.sample_torch(logits.clone(), bitmask, z, z.long(), z + 1, z, torch.arange(3)))
 
 
 def test_package_works_without_triton():
