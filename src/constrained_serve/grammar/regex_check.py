@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator
 
 import regex
 
+from .regex_scan import escape_end, regex_tokens
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MATCH_TIMEOUT_S", "python_fullmatch", "ecma_search", "ecma_validator_class"]
@@ -48,8 +50,6 @@ _ECMA_CLASSES: dict[str, Ranges] = {
     "s": [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
           (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)],
 }
-# re's quantifier syntax: {m}, {m,}, {,n}, {m,n}; any other "{" is a literal to re.
-_QUANTIFIER = re.compile(r"\{(?:\d+(?:,\d*)?|,\d*)\}")
 # Inline flags, global "(?sm)" or scoped "(?s-m:...)": only s, m and u mean the same to regex.
 _FLAGS = re.compile(r"\(\?([aiLmsux]*)(?:-([imsx]*))?[:)]")
 _SAME_FLAGS = frozenset("smu")
@@ -96,75 +96,52 @@ def _ecma_tables() -> dict[str, str]:
     return _tables(_ECMA_CLASSES)
 
 
-def _escape_end(pattern: str, i: int) -> int:
-    """End of the escape at ``pattern[i] == "\\\\"``; ``\\N{NAME}`` runs to its brace."""
-    if pattern.startswith("N{", i + 1):
-        close = pattern.find("}", i)
-        return len(pattern) if close < 0 else close + 1
-    return i + 2
-
-
-def _class_end(pattern: str, i: int, tables: dict[str, str]) -> tuple[str, int]:
-    """The class starting at ``pattern[i] == "["``, rewritten, and where it ends."""
-    n, j = len(pattern), i + 1
-    out = ["["]
-    if pattern.startswith("[", j):  # re warns "Possible nested set": [[:alpha:]] is Rust syntax
+def _class(token: str, tables: dict[str, str]) -> str:
+    """A class token (regex_scan.class_end) rewritten for ``regex``."""
+    out, j, end = ["["], 1, len(token) - 1  # token[end] is its closing "]"
+    if token.startswith("[", j):  # re warns "Possible nested set": [[:alpha:]] is Rust syntax
         raise Untranslatable("a nested set")
-    if pattern.startswith("^", j):
+    if token.startswith("^", j):
         out.append("^")
         j += 1
-    if pattern.startswith("]", j):  # first in the class: a literal to re
+    if token.startswith("]", j):  # first in the class: a literal to re
         out.append("\\]")
         j += 1
     content = j
-    while j < n and pattern[j] != "]":
-        if pattern[j] in "-&~|" and pattern.startswith(pattern[j], j + 1) and j > content:
+    while j < end:
+        if token[j] in "-&~|" and token.startswith(token[j], j + 1) and j > content:
             raise Untranslatable("a set operation")  # re warns: "a&&b", "a--b" mean sets in Rust
-        if pattern[j] == "\\":
-            k = _escape_end(pattern, j)
-            esc = pattern[j:k]
+        if token[j] == "\\":
+            k = escape_end(token, j)
+            esc = token[j:k]
             out.append(tables[esc[1]] if esc[1:] in tables else esc)
             j = k
         else:
             # "[" is a literal inside a class to re; regex reads "[:digit:]" as a POSIX class.
-            out.append("\\[" if pattern[j] == "[" else pattern[j])
+            out.append("\\[" if token[j] == "[" else token[j])
             j += 1
     out.append("]")
-    return "".join(out), j + 1
+    return "".join(out)
 
 
 def _rewrite(pattern: str, tables: dict[str, str]) -> str:
     """``pattern`` (which ``re`` compiled) as ``regex`` must read it to mean the same."""
     out: list[str] = []
-    i, n = 0, len(pattern)
-    while i < n:
-        ch = pattern[i]
-        if ch == "\\":
-            j = _escape_end(pattern, i)
-            esc = pattern[i:j]
-            if esc in ("\\b", "\\B"):  # word boundaries by a \w of regex's own
-                raise Untranslatable(esc)
-            out.append(f"[{tables[esc[1]]}]" if esc[1:] in tables else esc)
-        elif ch == "[":
-            text, j = _class_end(pattern, i, tables)
-            out.append(text)
-        elif ch == "{":
-            m = _QUANTIFIER.match(pattern, i)
-            j = m.end() if m else i + 1
-            out.append(m.group() if m else "\\{")  # regex reads "{e<=1}" as a fuzzy match
-        elif pattern.startswith("(?#", i):  # a comment runs to the first ")", escapes or not
-            close = pattern.find(")", i)
-            j = n if close < 0 else close + 1
-            out.append(pattern[i:j])
-        elif pattern.startswith("(?", i) and (m := _FLAGS.match(pattern, i)) and m.group() not in ("(?:", "(?)"):
+    for t in regex_tokens(pattern):
+        if t.startswith("\\"):
+            if t in ("\\b", "\\B"):  # word boundaries by a \w of regex's own
+                raise Untranslatable(t)
+            out.append(f"[{tables[t[1]]}]" if t[1:] in tables else t)
+        elif t.startswith("["):
+            out.append(_class(t, tables))
+        elif t == "{":
+            out.append("\\{")  # no quantifier: regex reads "{e<=1}" as a fuzzy match
+        elif (m := _FLAGS.fullmatch(t)) and t not in ("(?:", "(?)"):
             if set(m.group(1) + (m.group(2) or "")) - _SAME_FLAGS:
-                raise Untranslatable(m.group())
-            j = m.end()
-            out.append(m.group())
+                raise Untranslatable(t)
+            out.append(t)
         else:
-            j = i + 1
-            out.append(ch)
-        i = j
+            out.append(t)
     return "".join(out)
 
 
@@ -174,7 +151,7 @@ def _compiled(pattern: str, dialect: str) -> Any:
     ECMA-262's class escapes ("ecma"); None where there is none (then: no check)."""
     try:
         # Only its errors count: re caches compiled patterns, so its warnings come once per
-        # process ("Possible nested set", which _class_end finds itself).
+        # process ("Possible nested set", which _class finds itself).
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             re.compile(pattern)

@@ -13,6 +13,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from ..errors import GrammarError
+from .regex_scan import regex_tokens
 from .spec import SCHEMA_NAME_MAPS, follow_local_refs, resolve_local_ref
 
 __all__ = ["unsupported_schema_features", "xgrammar_regex"]
@@ -189,8 +190,9 @@ def xgrammar_regex(pattern: str, strict: bool = True, approximations: list[str] 
         if approximations is not None:
             approximations.append(reason)
 
-    tokens = _regex_tokens(pattern)
-    if any(t == "\\G" or re.fullmatch(r"\(\?[a-zA-Z]+[:)]", t) for t in tokens):
+    tokens = regex_tokens(pattern)
+    inline_flags = [t for t in tokens if t.startswith("(?") and t != "(?:" and not t.startswith(("(?P<", "(?#"))]
+    if "\\G" in tokens or inline_flags:
         raise _regex_error(pattern, "xgrammar has no \\G and no inline flags")
     if any(_ascii_class_negated(t) for t in tokens):
         approximate("\\W, \\D or a negated class with \\w or \\d: xgrammar reads \\w and \\d as ASCII, so their "
@@ -200,38 +202,13 @@ def xgrammar_regex(pattern: str, strict: bool = True, approximations: list[str] 
               _class(t, pattern) if t.startswith("[") else t for t in tokens]
     if _repeated_anchor(tokens):
         approximate("a repeated group holding an anchor, which xgrammar ignores")
-    opens = [t.startswith("(") for t in tokens]
+    opens = [t.startswith("(") and not t.startswith("(?#") for t in tokens]  # a comment opens nothing
     closes = [t == ")" for t in tokens]
     for anchor, seq, is_open, is_close in (("^", tokens, opens, closes),
                                           ("$", tokens[::-1], closes[::-1], opens[::-1])):
         if not _anchors_at_edge(seq, anchor, is_open, is_close):
             approximate(f"an anchor {anchor!r} inside the text, which xgrammar ignores")
     return "".join(tokens)
-
-
-def _regex_tokens(pattern: str) -> list[str]:
-    """Escapes, classes, group openings ("(", "(?:", "(?P<n>", ...) and single characters."""
-    out: list[str] = []
-    i, n = 0, len(pattern)
-    while i < n:
-        ch = pattern[i]
-        if ch == "\\":
-            j = i + 2
-        elif ch == "[":
-            j = i + 1
-            j += pattern.startswith("^", j)
-            j += pattern.startswith("]", j)  # a "]" first in the class is literal
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            j += 1
-        elif ch == "(":
-            m = re.compile(r"\((\?(:|P?<[A-Za-z_]\w*>|[a-zA-Z]+[:)]))?").match(pattern, i)
-            j = m.end()
-        else:
-            j = i + 1
-        out.append(pattern[i:j])
-        i = j
-    return out
 
 
 def _ascii_class_negated(token: str) -> bool:

@@ -28,7 +28,7 @@ from jsonschema import Draft202012Validator
 
 from ..errors import GrammarError
 from .spec import SCHEMA_NAME_MAPS
-from .xgrammar_gaps import _regex_tokens
+from .regex_scan import regex_tokens
 
 __all__ = ["NEVER", "ebnf_with_string_escapes", "rewrite_schema", "search_pattern"]
 
@@ -192,13 +192,13 @@ def search_pattern(pattern: str) -> str | None:
     match the whole string (as xgrammar reads it); None where an anchor stands elsewhere than
     at the start or end of a top-level alternative."""
     try:
-        tokens = _regex_tokens(pattern)
+        tokens = regex_tokens(pattern)
     except (AttributeError, IndexError):
         return None
     alternatives: list[list[str]] = [[]]
     depth = 0
     for t in tokens:
-        if t.startswith("("):
+        if t.startswith("(") and not t.startswith("(?#"):  # a comment opens no group
             depth += 1
         elif t == ")":
             depth -= 1
