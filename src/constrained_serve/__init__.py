@@ -58,7 +58,7 @@ def default_engine() -> Engine:
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def generate(prompt_or_messages: Any, **kwargs: Any):
+def generate(prompt_or_messages: Any, **kwargs: Any) -> Any:
     """One-liner for notebooks and scripts: ``generate("...", schema=Invoice, max_tokens=200)``.
 
     A string or one message list returns one Result; a list of them returns a list. Message

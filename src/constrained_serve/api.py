@@ -33,6 +33,7 @@ from .sampler import step_seed
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from .conversation import Conversation
     from .grammar.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class _CallPlan:
 class Engine:
     """A causal LM turned into a structured-output engine. See README for examples."""
 
-    def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype=None,
+    def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str | torch.dtype | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  kv_cache_tokens: int | None = None, page_size: int = 16, **kwargs: Any) -> None:
         self.config = cfg = EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -382,7 +383,7 @@ class Engine:
         self.core.step()
 
     @staticmethod
-    def _params_per_item(items: Iterable[Any], params) -> Callable[[int], SamplingParams]:
+    def _params_per_item(items: Iterable[Any], params: ParamsArg) -> Callable[[int], SamplingParams]:
         """params: None, one SamplingParams, or one per item (needs a list of items)."""
         if params is None or isinstance(params, SamplingParams):
             shared = params or SamplingParams()
@@ -477,7 +478,7 @@ class Engine:
                     self.core.abort(r)
                 self.core._drain()
 
-    def conversation(self, system: str | None = None, params: SamplingParams | None = None):
+    def conversation(self, system: str | None = None, params: SamplingParams | None = None) -> Conversation:
         from .conversation import Conversation
 
         return Conversation(self, system=system, params=params)

@@ -27,6 +27,7 @@ from .params import SamplingParams
 from .result import Result
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     from .api import Engine
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class Conversation:
         self.close()
 
 
-def _ids_for_text(tokenizer, prompt_ids: list[int], out_ids: list[int], text: str) -> list[int]:
+def _ids_for_text(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], out_ids: list[int], text: str) -> list[int]:
     """Token ids whose text is exactly ``text``, a prefix of what ``out_ids`` decode to: the
     model's own tokens as far as they lie inside it (their KV is cached), then the rest of
     the text (a stop string may end inside a token) tokenized afresh."""

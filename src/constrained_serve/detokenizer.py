@@ -7,7 +7,10 @@ character (U+FFFD).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _ANCHORS = ("\n", ".")
 
@@ -46,7 +49,7 @@ def cut_at_stop(text: str, stops: Sequence[str], *, final: bool) -> str:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_tail: list[int] | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_tail: list[int] | None = None) -> None:
         self.tok = tokenizer
         # A few prompt tokens give the first output token its context (leading-space rules).
         self.ids: list[int] = list(prompt_tail or [])
@@ -97,15 +100,15 @@ class IncrementalDetokenizer:
         return delta
 
 
-def encode(tokenizer, text: str) -> list[int]:
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _decode(tokenizer, ids: list[int]) -> str:
+def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def encode_continuation(tokenizer, text: str, context: Sequence[int] | None = None) -> list[int] | None:
+def encode_continuation(tokenizer: PreTrainedTokenizerBase, text: str, context: Sequence[int] | None = None) -> list[int] | None:
     """Token ids that read as ``text`` right after the tokens ``context`` (None: after any
     text); None when no tokenization tried does. A byte-level BPE tokenizes a text the same
     wherever it stands; a SentencePiece one reads it as the start of a text and adds a space

@@ -32,13 +32,14 @@ from .sampler import Sampler, record_prompt_logprobs
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     from .grammar.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, kv: KVCacheManager, tokenizer,
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, kv: KVCacheManager, tokenizer: PreTrainedTokenizerBase,
                  eos_token_ids: set[int], max_model_len: int,
                  make_grammar: "Callable[[], GrammarManager] | None" = None, overlap: bool = True,
                  fast_forward: bool = True) -> None:

@@ -20,6 +20,7 @@ import logging
 import signal
 import threading
 from contextlib import contextmanager
+from types import FrameType
 from typing import Iterator
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def sigint_deferred(interrupt_on_second: bool = False) -> Iterator[None]:
     received: list = []
     raised: list[bool] = []
 
-    def hold(signum: int, frame) -> None:
+    def hold(signum: int, frame: FrameType | None) -> None:
         received.append(frame)
         if not interrupt_on_second or raised:
             return

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["Span", "scan"]
 
@@ -90,7 +90,8 @@ class _Scanner:
         except json.JSONDecodeError:
             return _INCOMPLETE, len(self.s)
 
-    def container(self, i: int, path: str, close: str, part) -> tuple[Any, int]:
+    def container(self, i: int, path: str, close: str,
+                  part: Callable[[int, str, int, Any], tuple[bool, int]]) -> tuple[Any, int]:
         out: Any = {} if close == "}" else []
         start, j, index = i, self.ws(i + 1), 0
         at = len(self.spans)

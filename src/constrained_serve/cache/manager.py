@@ -16,12 +16,13 @@ from .pool import OutOfPages, PagePool
 
 if TYPE_CHECKING:
     from .pins import PinRegistry
+    from .radix import RadixCache
 
 logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
-    def __init__(self, pool: PagePool, radix=None, pins: "PinRegistry | None" = None,
+    def __init__(self, pool: PagePool, radix: RadixCache | None = None, pins: PinRegistry | None = None,
                  copy_page_prefix: Callable[[int, int, int], None] | None = None) -> None:
         self.pool = pool
         # Open conversations' locks on their cached history (pins.py). The scheduler has them

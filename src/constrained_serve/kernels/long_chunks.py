@@ -69,7 +69,7 @@ class _LongChunk:
     buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
 
 
-def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, device,
+def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, device: torch.device,
                 dtype: torch.dtype) -> list[_LongChunk]:
     """Plan every long chunk of the step once (cached on meta)."""
     per_head = per_head_onednn(dtype, torch.device(device))

@@ -68,7 +68,7 @@ class _ShortGroup:
     buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
 
 
-def short_groups(meta: AttentionMetadata, page_size: int, group: int, device) -> list[_ShortGroup]:
+def short_groups(meta: AttentionMetadata, page_size: int, group: int, device: torch.device) -> list[_ShortGroup]:
     """Plan the batched calls once per step (cached on meta): the index tensors and masks only
     depend on the batch layout, not on the layer."""
     key = ("short", page_size, group)
@@ -123,7 +123,7 @@ def _shared_pages(table: torch.Tensor, qlens: list[int], seq_lens: list[int], pa
     return n if n >= MIN_SHARED_PAGES else 0
 
 
-def attend_short(q, k_cache, v_cache, g: _ShortGroup, scale: float, out: torch.Tensor) -> None:
+def attend_short(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _ShortGroup, scale: float, out: torch.Tensor) -> None:
     """QK^T, masked softmax (fp32) and PV for a group of short rows, batched over (kv head, row)."""
     _, _, hkv, d = k_cache.shape
     hq = q.shape[1]

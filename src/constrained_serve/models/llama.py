@@ -11,6 +11,8 @@ are fused into one matmul each at load time (fewer, larger GEMMs are faster on C
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import logging
 from dataclasses import dataclass
 
@@ -20,6 +22,9 @@ from torch import nn
 
 from ..kernels import dispatch
 from ..batch import AttentionMetadata
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +57,7 @@ class ModelArchitecture:
     sliding_window: int | None = None
 
     @classmethod
-    def from_hf_config(cls, config) -> "ModelArchitecture":
+    def from_hf_config(cls, config: PretrainedConfig) -> "ModelArchitecture":
         mt = config.model_type
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model: unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
@@ -86,7 +91,7 @@ class ModelArchitecture:
         )
 
 
-def sliding_window_of(config) -> int | None:
+def sliding_window_of(config: PretrainedConfig) -> int | None:
     """The attention window a config asks for, or None (full attention)."""
     window = getattr(config, "sliding_window", None)
     if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
@@ -123,7 +128,7 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed by transformers' RoPE init functions so
     every scaling type in the config (linear, llama3, yarn, ...) matches HF exactly."""
 
-    def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf_config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         with torch.device("cpu"):  # real tables even when the model is built on the meta device
             cos, sin = self._tables(hf_config, head_dim, max_positions)
@@ -131,7 +136,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     @staticmethod
-    def _tables(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(hf_config: PretrainedConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "default":
@@ -154,7 +159,8 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+              k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half convention (as HF Llama/Qwen)."""
         cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -178,7 +184,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.scale = arch.head_dim ** -0.5
 
-    def forward(self, x, cos_sin, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
         """keep: project only these rows' attention outputs (the last layer, see DecoderLayer)."""
         a = self.arch
@@ -217,7 +224,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv_cache, meta, keep: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         """keep (the last layer only): the rows that sample. Every row's K/V is stored, but
         only these rows' hidden states are needed past the attention, so the o_proj and the
         MLP run on them alone (llama.cpp does the same for the MLP)."""
@@ -229,7 +238,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder stack + LM head. ``forward`` returns logits for ``logits_indices`` only."""
 
-    def __init__(self, hf_config, max_positions: int | None = None) -> None:
+    def __init__(self, hf_config: PretrainedConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
         # Uninitialised on purpose (the loader fills every weight): nn.Embedding's own init,

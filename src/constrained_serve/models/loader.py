@@ -19,12 +19,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from . import cpu_linear
 from .llama import LlamaModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(path: Path, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -114,7 +117,7 @@ def iter_gguf_tensors(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor
         yield name, w
 
 
-def load_gguf_config_and_tokenizer(path: Path):
+def load_gguf_config_and_tokenizer(path: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
     from transformers import AutoConfig, AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -206,7 +209,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     return ModelSource(Path(folder), None)
 
 
-def load_config_and_tokenizer(src: ModelSource):
+def load_config_and_tokenizer(src: ModelSource) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
     from transformers import AutoConfig, AutoTokenizer
 
     if src.gguf is not None:
@@ -216,7 +219,7 @@ def load_config_and_tokenizer(src: ModelSource):
     return cfg, tok
 
 
-def eos_token_ids(hf_config, tokenizer) -> set[int]:
+def eos_token_ids(hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """End-of-sequence ids from the config (one or a list) and the tokenizer; either may
     lack them."""
     ids: set[int] = set()
@@ -297,7 +300,7 @@ def init_dummy_weights(model: LlamaModel, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
 
 
-def build_model(src: ModelSource, hf_config, dtype: torch.dtype, device: torch.device,
+def build_model(src: ModelSource, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                 load_format: str = "auto", max_positions: int | None = None) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(hf_config, max_positions=max_positions)

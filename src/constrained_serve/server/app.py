@@ -17,11 +17,11 @@ import os
 import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import GrammarError, PromptTooLongError
 from ..result import Result
@@ -63,7 +63,7 @@ def build_app(engine: Any, model_name: str | None = None, api_key: str | None = 
     started = int(time.time())
 
     @app.middleware("http")
-    async def check_key(request: Request, call_next):
+    async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if key is not None and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
