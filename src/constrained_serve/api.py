@@ -372,7 +372,7 @@ class Engine:
                     for r in _requests(x):
                         if not r.finished:
                             self.core.abort(r)
-                self.core._drain()
+                self.core.drain_finished()
 
     def _step_for(self, r: Request) -> None:
         """One step for a caller waiting on r (under the core lock). An unfinished request
@@ -476,7 +476,7 @@ class Engine:
             with self._core_lock:
                 if not r.finished:
                     self.core.abort(r)
-                self.core._drain()
+                self.core.drain_finished()
 
     def conversation(self, system: str | None = None, params: SamplingParams | None = None) -> Conversation:
         from .conversation import Conversation

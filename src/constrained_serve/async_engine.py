@@ -129,7 +129,7 @@ class _Stepper:
                     else:
                         error = RuntimeError("requests are unfinished but no longer scheduled "
                                              "(engine state lost, e.g. after an error inside a step)")
-                core._drain()
+                core.drain_finished()
                 for w in watches:
                     if w.on_step is not None:
                         w.on_step()

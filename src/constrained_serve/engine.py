@@ -182,7 +182,7 @@ class EngineCore:
                 deferred, self._deferred_aborts = self._deferred_aborts, []
                 for args in deferred:
                     self._abort(*args)
-        return self._drain()
+        return self.drain_finished()
 
     def _recover_from_broken_step(self) -> None:
         """Fail every unfinished request and forget the whole KV cache (pages, prefix cache,
@@ -241,7 +241,7 @@ class EngineCore:
         """Waiting requests whose grammar is not attached yet (compiling, or just done)."""
         return any(r.compiling for r in self.scheduler.waiting)
 
-    def _drain(self) -> list[Request]:
+    def drain_finished(self) -> list[Request]:
         done, self.finished_queue = self.finished_queue, []
         for r in done:
             if r.matcher is not None:  # its worker drops the matcher; the handle keeps its last state
