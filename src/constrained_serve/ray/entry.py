@@ -14,7 +14,7 @@ from typing import Any
 from ..extract.job import PromptBuilder, parse_record, read_items
 from ..extract.output import open_sinks
 from .availability import require_ray
-from .pipeline import RayOptions, items_dataset, map_rows, plan_pool, run_job
+from .pipeline import RayOptions, init, items_dataset, map_rows, plan_pool, run_job
 from .replica import ReplicaConfig, item_record
 from .stats import RayJobStats
 
@@ -66,7 +66,7 @@ def extract(
     is_path = isinstance(source, (str, os.PathLike))
     if output is None:
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False)  # the caller's session from now on
+            init(ray, address)  # the caller's session from now on
         if not is_path:
             plan = plan_pool(ray.cluster_resources(), options, batch_size or 256)
             return map_rows(ray, _dataset_items(source, builder, id_field), config, plan, options)

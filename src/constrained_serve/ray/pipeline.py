@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -118,6 +119,15 @@ def batch_size_for(rows: int, replicas: int) -> int:
 # the cluster
 
 
+def init(ray: Any, address: str | None) -> None:
+    """ray.init: join ``address`` (or $RAY_ADDRESS), else start a local cluster without the
+    dashboard (not needed here; Ray refuses dashboard options when joining a cluster)."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None) -> Iterator[Any]:
     """Ray, connected: a running session is used as is; one started here is shut down on exit."""
@@ -126,7 +136,7 @@ def ray_session(address: str | None) -> Iterator[Any]:
         yield ray
         return
     logger.info("connecting to Ray (%s)", address or "$RAY_ADDRESS or a new local cluster")
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    init(ray, address)
     try:
         yield ray
     finally:
