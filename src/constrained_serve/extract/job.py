@@ -141,6 +141,13 @@ def _parse_line(raw: bytes, line_no: int, builder: PromptBuilder, id_field: str)
     if not isinstance(record, dict):
         kind = type(record).__name__
         return _line_error(line_no, NOT_OBJECT, f"line {line_no} is a JSON {kind}, not an object")
+    return parse_record(record, line_no, builder, id_field)
+
+
+def parse_record(record: Mapping[str, Any], line_no: int, builder: PromptBuilder, id_field: str = "id") -> InputItem:
+    """The item for one input record (a JSON object already read): its id, and its chat
+    messages or the error that keeps it from the model. Also used for records that come
+    from elsewhere than a JSONL line (a Ray Dataset row), with their position as line_no."""
     row_id = record.get(id_field)
     from_line = row_id is None
     if from_line:

@@ -1,0 +1,236 @@
+"""The extraction job on Ray Data: the driver side.
+
+Data flow::
+
+    input.jsonl --job.read_items()--> items (driver: bad lines -> early errors, duplicate ids
+        keyed by line, rows already in the output skipped: the local job's own code)
+      --> ray.data.from_items (one JSON text column per item, blocks of --batch-size rows)
+      --> map_batches(ExtractReplica, ActorPoolStrategy(size=replicas))   [one Engine per actor]
+      --> iter_batches on the driver --> JsonlSink (output.py: one flushed line per row)
+
+Why the driver reads the input: line numbers, "this id was already used by line 3" and
+"this key is already in the output" are facts about the whole file in order, which Ray
+Data's parallel readers do not keep. Parsing is microseconds per line next to the model,
+so one reader costs nothing in throughput.
+
+Why the driver writes the output: one writer holds the file lock, and a row is written only
+after a replica returned it, so a crash (of the driver, an actor or a node) loses at most
+rows in flight, and the next run (same command) skips every row already written. Each key
+is written once per run even if Ray re-delivers a retried batch.
+
+Order: with ``ordered=True`` (the default) Ray Data's ``preserve_order`` hands batches back
+in input order, so the output file is the local CLI's, row for row. ``ordered=False``
+writes batches as they finish (no waiting behind a slow batch); rows within a batch keep
+input order either way.
+
+Faults: Ray restarts a dead replica actor (``max_restarts=-1``) and retries its batch
+(``max_task_retries``); a batch that fails every retry is dropped (``max_errored_blocks``)
+and its rows get error rows of type ``replica_failed``: one bad row cannot fail the job.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+from ..extract.job import InputItem
+from .availability import require_ray
+from .replica import FINISHED, KEY, REPLICA, ROW, STARTED, ExtractReplica, ReplicaConfig, item_record
+from .stats import RayJobStats
+
+logger = logging.getLogger(__name__)
+
+REPLICA_FAILED = "replica_failed"
+
+
+@dataclass
+class RayOptions:
+    """Where and how wide the job runs."""
+
+    address: str | None = None  # None: $RAY_ADDRESS or a new local cluster; "auto": the running one
+    replicas: int | None = None  # default: one per GPU (GPU cluster), else 1
+    gpus_per_replica: float | None = None  # default: 1 on a cluster with GPUs, else 0 (CPU actors)
+    cpus_per_replica: float | None = None  # CPU replicas: default, the cluster's CPUs / replicas
+    batch_size: int | None = None  # rows per map_batches call; default: see batch_size_for
+    ordered: bool = True
+    max_batch_retries: int = 3  # retries of a batch whose actor died, before its rows become error rows
+    concurrent_batches: int = 2  # batches one actor runs at once (they share its engine's decode steps)
+    progress: bool = False  # Ray Data's progress bars
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        for name in ("gpus_per_replica", "cpus_per_replica"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.max_batch_retries < 0 or self.concurrent_batches < 1:
+            raise ValueError("max_batch_retries must be >= 0 and concurrent_batches >= 1")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The actor pool the options come to on this cluster."""
+
+    replicas: int
+    num_gpus: float
+    num_cpus: float
+    batch_size: int
+
+    @property
+    def threads(self) -> int | None:
+        """Torch threads of a CPU replica: the cores it reserved."""
+        return None if self.num_gpus else max(1, int(self.num_cpus))
+
+
+def plan_pool(resources: dict[str, float], options: RayOptions, rows: int) -> Plan:
+    """Replica count and per-actor resources from the cluster's total ``resources``."""
+    gpus = float(resources.get("GPU", 0))
+    cpus = float(resources.get("CPU", 1))
+    per_gpu = options.gpus_per_replica if options.gpus_per_replica is not None else (1.0 if gpus else 0.0)
+    if per_gpu and per_gpu > gpus:
+        raise ValueError(f"{per_gpu:g} GPUs per replica, but the cluster has {gpus:g}")
+    replicas = options.replicas or (max(1, int(gpus // per_gpu)) if per_gpu else 1)
+    if per_gpu:
+        num_cpus = options.cpus_per_replica if options.cpus_per_replica is not None else 1.0
+    else:
+        # CPU replicas split the cores: each gets its share as torch threads (Ray would
+        # give an actor 1 CPU, hence OMP_NUM_THREADS=1, a 2x slowdown on 2 cores).
+        num_cpus = options.cpus_per_replica or max(1.0, float(int(cpus // replicas)))
+    return Plan(replicas, per_gpu, num_cpus, options.batch_size or batch_size_for(rows, replicas))
+
+
+def batch_size_for(rows: int, replicas: int) -> int:
+    """Default rows per batch: four batches per replica at least, so every replica gets work
+    at once (an actor takes two batches at a time) and a dead actor costs little; at most 256
+    (four times the engine's default max_num_seqs keeps its decode batch full; the actor runs
+    two batches at once, so one's tail overlaps the next one's start)."""
+    return max(1, min(256, math.ceil(rows / (4 * replicas))))
+
+
+# ---------------------------------------------------------------------------------------
+# the cluster
+
+
+def init(ray: Any, address: str | None) -> None:
+    """ray.init: join ``address`` (or $RAY_ADDRESS), else start a local cluster without the
+    dashboard (not needed here; Ray refuses dashboard options when joining a cluster)."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None) -> Iterator[Any]:
+    """Ray, connected: a running session is used as is; one started here is shut down on exit."""
+    ray = require_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    logger.info("connecting to Ray (%s)", address or "$RAY_ADDRESS or a new local cluster")
+    init(ray, address)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------
+# the pipeline
+
+
+def map_rows(ray: Any, items: Any, config: ReplicaConfig, plan: Plan, options: RayOptions) -> Any:
+    """items Dataset (columns seq, key, item) -> rows Dataset (replica.OUTPUT_COLUMNS), lazily."""
+    compute = ray.data.ActorPoolStrategy(size=plan.replicas, max_concurrent_calls_per_actor=options.concurrent_batches)
+    resources: dict[str, Any] = {"num_gpus": plan.num_gpus} if plan.num_gpus else {"num_cpus": plan.num_cpus}
+    if config.num_threads is None and plan.threads is not None:
+        config = ReplicaConfig(**{**config.__dict__, "num_threads": plan.threads})
+    with warnings.catch_warnings():
+        # max_restarts / max_task_retries have no named parameter in Ray 2.60 yet; the
+        # keyword form is deprecated (removal announced for 2.64), not gone.
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated.*")
+        rows = items.map_batches(
+            ExtractReplica,
+            fn_constructor_kwargs={"config": config},
+            batch_size=plan.batch_size,
+            batch_format="numpy",
+            compute=compute,
+            udf_modifying_row_count=False,
+            max_restarts=-1,
+            max_task_retries=options.max_batch_retries,
+            **resources,
+        )
+    # Settings of this Dataset only (the process-wide DataContext is the caller's).
+    ctx = rows.context
+    ctx.execution_options.preserve_order = options.ordered
+    ctx.max_errored_blocks = -1  # a batch that fails every retry: its rows get error rows (driver)
+    ctx.enable_progress_bars = options.progress
+    return rows
+
+
+def items_dataset(ray: Any, records: list[dict[str, Any]], batch_size: int) -> Any:
+    # Blocks of one batch each: a block goes to one actor whole, so blocks larger than a
+    # batch would keep the other replicas idle.
+    return ray.data.from_items(records, override_num_blocks=max(1, math.ceil(len(records) / batch_size)))
+
+
+def run_job(
+    items: Iterable[InputItem],
+    write: Callable[[dict[str, Any]], None],
+    config: ReplicaConfig,
+    options: RayOptions,
+    *,
+    stats: RayJobStats | None = None,
+    on_row: Callable[[dict[str, Any], RayJobStats], None] | None = None,
+) -> RayJobStats:
+    """Run ``items`` (from ``job.read_items``) on a Ray actor pool; ``write`` each row once.
+
+    ``write`` is called on this (the driver's) thread, one row per item, as rows come back.
+    """
+    stats = stats or RayJobStats()
+    waiting: dict[str, InputItem] = {}
+    records = []
+    for seq, item in enumerate(items):
+        waiting[item.key] = item
+        records.append(item_record(item, seq))
+    if not records:
+        return stats
+
+    def emit(row: dict[str, Any], replica: str, started: float, finished: float) -> None:
+        write(row)
+        stats.add_replica_row(row, replica, started, finished)
+        if on_row is not None:
+            on_row(row, stats)
+
+    with ray_session(options.address) as ray:
+        plan = plan_pool(ray.cluster_resources(), options, len(records))
+        logger.info("ray: %d rows, %d replicas (%s each), batches of %d", len(records), plan.replicas,
+                    f"{plan.num_gpus:g} GPU" if plan.num_gpus else f"{plan.num_cpus:g} CPU", plan.batch_size)
+        rows = map_rows(ray, items_dataset(ray, records, plan.batch_size), config, plan, options)
+        del records  # the object store holds them now
+        for batch in rows.iter_batches(batch_size=None, batch_format="numpy"):
+            for key, text, replica, started, finished in zip(batch[KEY], batch[ROW], batch[REPLICA],
+                                                            batch[STARTED], batch[FINISHED]):
+                if waiting.pop(key, None) is None:  # a retried batch delivered twice
+                    logger.debug("dropping a second row for %s", key)
+                    continue
+                emit(json.loads(text), str(replica), float(started), float(finished))
+    if waiting and stats.rows == 0:  # nothing came back at all: a broken set-up, not bad rows
+        raise RuntimeError(f"no replica returned any row ({len(waiting)} rows sent); rerun with -v for details")
+    for key, item in waiting.items():  # written last, whatever the order
+        stats.lost += 1
+        msg = f"the replica running this row's batch died {options.max_batch_retries + 1} times"
+        row = {**item.row_head(), "error": {"type": REPLICA_FAILED, "message": msg}}
+        write(row)
+        stats.add(row)
+        if on_row is not None:
+            on_row(row, stats)
+    return stats

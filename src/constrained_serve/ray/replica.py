@@ -1,0 +1,136 @@
+"""One engine replica: the callable class Ray Data runs in each actor of the pool.
+
+Ray Data builds the class once per actor (``__init__`` loads the model, so the weights,
+the compiled grammar and the prefix cache stay warm across every batch the actor gets)
+and calls it once per batch. A batch is a slice of the job's items in input order; the
+replica runs it through the same ``run_extract`` loop as the local CLI, so a row written
+from Ray is the row the local job writes for the same line.
+
+Items travel as JSON text columns (``item_record`` / ``record_item``): rows of different
+shapes (a prompt, an early error) in one Arrow column would not have one schema.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..extract.job import InputItem, error_type_name, run_extract
+
+logger = logging.getLogger(__name__)
+
+# Output columns of the replica (and of the Dataset ``extract`` returns).
+# started/finished: the wall-clock span (time.time(), the replica's node) of the row's batch.
+KEY, ROW, OK, REPLICA, STARTED, FINISHED = "key", "row", "ok", "replica", "started", "finished"
+OUTPUT_COLUMNS = (KEY, ROW, OK, REPLICA, STARTED, FINISHED)
+
+
+def item_record(item: InputItem, seq: int) -> dict[str, Any]:
+    """An item as a Dataset row: its resume key (the driver matches rows to inputs by it),
+    its position in this run's input, and the item itself as JSON text."""
+    payload = {"line": item.line_no, "id": item.id, "by_line": item.by_line,
+               "messages": item.messages, "error": item.error}
+    return {"seq": seq, KEY: item.key, "item": json.dumps(payload, ensure_ascii=False)}
+
+
+def record_item(text: str) -> InputItem:
+    d = json.loads(text)
+    return InputItem(d["line"], d["id"], messages=d["messages"], error=d["error"], by_line=d["by_line"])
+
+
+def row_text(row: Mapping[str, Any]) -> str:
+    """The output line, as ``JsonlSink.write`` would write it (a lone surrogate from an
+    input's \\udXXX escape cannot be UTF-8: escape it, as the sink does)."""
+    text = json.dumps(row, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(row)
+    return text
+
+
+@dataclass
+class ReplicaConfig:
+    """Everything a replica needs, pickled once into each actor's constructor."""
+
+    engine_kwargs: dict[str, Any]
+    params: Any  # SamplingParams
+    spec: dict[str, Any]  # Engine spec keyword arguments (schema= / regex= / grammar=, grammar_backend=)
+    json_output: bool = True
+    # CPU replicas: torch threads (Ray gives each actor OMP_NUM_THREADS=its num_cpus;
+    # the engine reads the thread count from the config instead, so say it here).
+    num_threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ExtractReplica:
+    """The Ray Data UDF: one ``Engine`` per actor, one call per batch of items."""
+
+    def __init__(self, config: ReplicaConfig):
+        from .. import Engine  # imported in the actor: the driver never loads torch for the model
+
+        self.config = config
+        kwargs = dict(config.engine_kwargs)
+        if config.num_threads is not None and "num_threads" not in kwargs:
+            kwargs["num_threads"] = config.num_threads
+        self.name = _replica_name()
+        started = time.perf_counter()
+        self.engine = Engine(**kwargs)
+        logger.info("replica %s: engine ready in %.1fs (%s)", self.name, time.perf_counter() - started,
+                    self.engine.device)
+
+    def __call__(self, batch: Mapping[str, Any]) -> dict[str, list[Any]]:
+        started = time.time()
+        items = [record_item(text) for text in batch["item"]]
+        rows = self._run(items)
+        finished = time.time()
+        return {
+            KEY: [item.key for item in items],
+            ROW: [row_text(r) for r in rows],
+            OK: ["error" not in r for r in rows],
+            REPLICA: [self.name] * len(rows),
+            STARTED: [started] * len(rows),
+            FINISHED: [finished] * len(rows),
+        }
+
+    def _run(self, items: list[InputItem]) -> list[dict[str, Any]]:
+        """Rows for ``items``, in their order. An exception from the engine (not a per-row
+        error Result, which run_extract already turns into an error row) fails the batch:
+        the rows are then run one at a time, and a row that fails alone gets an error row,
+        so one bad row never costs the batch or the job."""
+        try:
+            return self._extract(items)
+        except Exception as e:  # noqa: BLE001 - retried row by row below
+            logger.warning("replica %s: a batch of %d rows failed (%s: %s); running its rows one at a time",
+                           self.name, len(items), type(e).__name__, e)
+        rows = []
+        for item in items:
+            try:
+                rows.extend(self._extract([item]))
+            except Exception as e:  # noqa: BLE001 - becomes this row's error row
+                logger.warning("replica %s: row %s failed: %s: %s", self.name, item.key, type(e).__name__, e)
+                err = {"type": error_type_name(type(e).__name__), "message": f"{type(e).__name__}: {e}"}
+                rows.append({**item.row_head(), "error": err})
+        return rows
+
+    def _extract(self, items: list[InputItem]) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        cfg = self.config
+        run_extract(self.engine, items, rows.append, cfg.params, cfg.spec, json_output=cfg.json_output,
+                    max_in_flight=max(len(items), 1))
+        return rows
+
+
+def _replica_name() -> str:
+    """A short name for the summary: the start of the actor's id (its unique part; kept across
+    restarts), else the pid."""
+    try:
+        import ray
+
+        actor_id = ray.get_runtime_context().get_actor_id()
+    except Exception:  # noqa: BLE001 - outside an actor (a test calling the class directly)
+        actor_id = None
+    return actor_id[:8] if actor_id else f"pid{os.getpid()}"

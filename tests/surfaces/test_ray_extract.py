@@ -1,0 +1,290 @@
+"""``constrained-serve extract --ray``: the extraction job on a local Ray cluster (2 CPUs,
+2 engine replicas), checked against the local CLI, under actor and driver kills.
+
+One cluster for the module (starting Ray costs seconds); its processes are checked gone
+when the module ends. The driver-kill test runs the CLI in subprocesses, each starting
+(and, when killed, leaving) its own cluster: those are checked gone too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="pip install 'constrained-serve[ray]'")
+
+from constrained_serve.cli import main  # noqa: E402
+
+from .conftest import EXAMPLES, subprocess_env  # noqa: E402
+
+REPLICA_CLASS = "MapWorker(MapBatches(ExtractReplica))"
+SCHEMA = str(EXAMPLES / "extract.schema.json")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    node = ray._private.worker._global_node
+    pids = [p.process.pid for procs in node.all_processes.values() for p in procs]
+    yield ray
+    ray.shutdown()
+    assert _wait_gone(pids) == [], "Ray processes left after ray.shutdown()"
+
+
+def input_lines(n: int = 12) -> list[str]:
+    topics = ["a late parcel", "a broken screen", "a double charge", "a refund", "a cancelled flight"]
+    lines = [json.dumps({"id": f"t{i}", "text": f"Ticket {i}: the customer writes about {topics[i % 5]}."})
+             for i in range(n)]
+    lines.insert(3, "{not json")
+    lines.insert(5, json.dumps({"id": "t1", "text": "the id of line 2 again"}))  # duplicate id
+    lines.insert(7, "")  # blank: no row, but it counts for line numbers
+    lines.insert(8, json.dumps({"text": "no id: keyed by its line"}))
+    lines.insert(9, json.dumps(["not", "an", "object"]))
+    lines.insert(10, json.dumps({"id": "t-missing", "body": "no text field"}))
+    return lines
+
+
+def write_input(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def without_cache_counts(rows: list[dict]) -> list[dict]:
+    return [{**r, "usage": {k: v for k, v in r["usage"].items() if k != "cached_tokens"}} if "usage" in r else r
+            for r in rows]
+
+
+def row_key(row: dict) -> str:
+    return f"line {row['line']}" if "line" in row else json.dumps(row["id"])
+
+
+def expected_keys(lines: list[str]) -> list[str]:
+    """The resume key of every non-blank line: exactly one row each."""
+    keys, seen = [], set()
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("id"), str) and json.dumps(rec["id"]) not in seen:
+            seen.add(json.dumps(rec["id"]))
+            keys.append(json.dumps(rec["id"]))
+        else:
+            keys.append(f"line {no}")
+    return keys
+
+
+def common_args(model: Path, max_tokens: int = 12) -> list[str]:
+    # One torch thread both locally and per replica: the same float sums, so greedy outputs
+    # match token for token.
+    return ["--model", str(model), "--max-tokens", str(max_tokens), "--threads", "1", "-q"]
+
+
+def test_ray_rows_equal_local_rows(cluster, tiny_llama_dir, tmp_path) -> None:
+    lines = input_lines()
+    src = write_input(tmp_path / "in.jsonl", lines)
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert main(["extract", str(src), "-o", str(local)] + common_args(tiny_llama_dir)) == 0
+    argv = ["extract", str(src), "-o", str(on_ray), "--ray", "--replicas", "2", "--batch-size", "3"]
+    assert main(argv + common_args(tiny_llama_dir)) == 0
+    # Ordered by default: the same rows, line for line (bad lines, duplicate ids, outputs,
+    # token counts), but for cached_tokens: each replica warms its own prefix cache.
+    got = rows(on_ray)
+    assert without_cache_counts(got) == without_cache_counts(rows(local))
+    assert sum(r["usage"]["cached_tokens"] for r in got if "usage" in r) > 0
+    assert [row_key(r) for r in got] == expected_keys(lines)
+    types = Counter(r["error"]["type"] for r in got if "error" in r)
+    assert types["invalid_json"] == 1 and types["not_object"] == 1 and types["missing_field"] == 1
+    assert sum(1 for r in got if "output" in r or r["error"]["type"] == "truncated") == 14
+
+    # Rerun: everything is done; nothing is added.
+    assert main(argv + common_args(tiny_llama_dir)) == 0
+    assert rows(on_ray) == got
+
+
+def test_python_entry_point_and_dataset_out(cluster, tiny_llama_dir, tmp_path) -> None:
+    from constrained_serve.ray import RayJobStats, extract
+
+    lines = input_lines(6)
+    src = write_input(tmp_path / "in.jsonl", lines)
+    kw = dict(model=str(tiny_llama_dir), engine_kwargs={"num_threads": 1}, replicas=2, batch_size=2)
+    from constrained_serve.params import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    stats = extract(src, tmp_path / "out.jsonl", params=params, **kw)
+    assert isinstance(stats, RayJobStats) and stats.rows == len(expected_keys(lines))
+    assert sum(r.rows for r in stats.replicas.values()) == stats.rows
+    assert "replica " in stats.summary() and "valid rate" in stats.summary()
+    written = rows(tmp_path / "out.jsonl")
+
+    ds = extract(src, params=params, **kw)  # no output: a lazy Dataset of rows
+    assert without_cache_counts([json.loads(r["row"]) for r in ds.take_all()]) == without_cache_counts(written)
+
+    # A Dataset in: rows keyed by their own id.
+    records = ray.data.from_items([{"id": f"d{i}", "text": f"note {i}"} for i in range(4)] + [{"text": "no id"}])
+    out = [json.loads(r["row"]) for r in extract(records, params=params, **kw).take_all()]
+    assert sorted(r["id"] for r in out if r["id"] is not None) == ["d0", "d1", "d2", "d3"]
+    assert [r["error"]["type"] for r in out if r["id"] is None] == ["invalid_id"]
+
+
+def test_a_killed_replica_is_restarted_and_its_batch_retried(cluster, tiny_llama_dir, tmp_path) -> None:
+    lines = input_lines(30)
+    src = write_input(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    killed: list[int] = []
+
+    def kill_one_replica() -> None:
+        # Once rows flow, SIGKILL one replica's process: what the OOM killer or a lost node
+        # does to an actor. (ray.kill needs a handle, which Ray Data keeps to itself; the GCS
+        # actor table gives the pid.)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if out.exists() and len(out.read_text().splitlines()) >= 4:
+                alive = [a for a in ray._private.state.actors().values()
+                         if a["ActorClassName"] == REPLICA_CLASS and a["State"] == "ALIVE"]
+                if alive:
+                    os.kill(alive[0]["Pid"], signal.SIGKILL)
+                    killed.append(alive[0]["Pid"])
+                    return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_one_replica)
+    killer.start()
+    argv = ["extract", str(src), "-o", str(out), "--ray", "--replicas", "2", "--batch-size", "3"]
+    assert main(argv + common_args(tiny_llama_dir, max_tokens=24)) == 0
+    killer.join()
+    assert killed, "no replica was killed: the test did not test anything"
+    got = rows(out)
+    assert Counter(row_key(r) for r in got) == Counter(expected_keys(lines))  # one row each, no duplicate
+    restarts = [a["NumRestarts"] for a in ray._private.state.actors().values() if a["ActorClassName"] == REPLICA_CLASS]
+    assert max(restarts) >= 1  # Ray restarted the actor it lost
+    assert not any(r.get("error", {}).get("type") == "replica_failed" for r in got)  # its batch was retried
+
+
+def test_driver_sigkill_then_resume(tiny_llama_dir, tmp_path) -> None:
+    """The CLI in a subprocess (its own local cluster), killed with SIGKILL once rows are
+    out; the same command then finishes the job: exactly one row per line."""
+    lines = input_lines(40)
+    src = write_input(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    env = subprocess_env()
+    # The subprocesses' clusters, apart from any other (a short path: Ray's sockets live there)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="csray", dir="/tmp"))
+    env["RAY_TMPDIR"] = str(ray_tmp)
+    argv = [sys.executable, "-m", "constrained_serve.cli", "extract", str(src), "-o", str(out), "--ray",
+            "--replicas", "2", "--batch-size", "2"] + common_args(tiny_llama_dir, max_tokens=24)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and len(out.read_bytes().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    partial = out.read_bytes()
+    assert 3 <= len(partial.splitlines()) < len(expected_keys(lines))
+    # The killed driver's raylet and GCS share its fate; Ray's dashboard and runtime-env
+    # agents of that cluster outlive it (Ray 2.60): end them, as an operator would.
+    time.sleep(2)
+    for pid in _ray_pids(ray_tmp):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            name = f.read()
+        assert b"raylet" not in name and b"gcs_server" not in name, name
+        os.kill(pid, signal.SIGKILL)
+    assert _wait_gone(_ray_pids(ray_tmp)) == []
+
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = rows(out)
+    assert Counter(row_key(r) for r in got) == Counter(expected_keys(lines))
+    assert _wait_gone(_ray_pids(ray_tmp)) == []  # the second run shut its cluster down
+
+
+def _ray_pids(ray_tmp: Path) -> list[int]:
+    """Processes of clusters started with RAY_TMPDIR=ray_tmp (Ray's agents rename their
+    command line, so look at the environment)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RAY_TMPDIR={ray_tmp}".encode() in env and _alive(int(proc.name)):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_ray_flags_need_ray_and_a_missing_ray_fails_at_once(tmp_path, capsys, monkeypatch) -> None:
+    src = write_input(tmp_path / "in.jsonl", input_lines(2))
+    out = tmp_path / "out.jsonl"
+    assert main(["extract", str(src), "-o", str(out), "--replicas", "2"]) == 2
+    assert "only apply with --ray" in capsys.readouterr().err
+    # Ray not installed: importing it fails (None in sys.modules makes `import ray` raise).
+    for name in [m for m in sys.modules if m == "ray" or m.startswith("ray.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "ray", None)
+    from constrained_serve.ray import RayNotInstalledError, extract
+
+    started = time.perf_counter()
+    assert main(["extract", str(src), "-o", str(out), "--ray"]) == 2
+    assert "pip install 'constrained-serve[ray]'" in capsys.readouterr().err
+    assert time.perf_counter() - started < 1.0 and not out.exists()
+    with pytest.raises(RayNotInstalledError, match=r"constrained-serve\[ray\]"):
+        extract(src, out)
+
+
+@pytest.mark.slow
+def test_default_model_on_ray_equals_local(cluster, default_model_dir, tmp_path) -> None:
+    tickets = [json.loads(line) for line in open(EXAMPLES / "tickets.jsonl")][:6]
+    src = write_input(tmp_path / "in.jsonl", [json.dumps(t) for t in tickets] + ["{oops"])
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    args = ["--schema", SCHEMA, "--max-tokens", "96", "--threads", "1", "-q"]
+    assert main(["extract", str(src), "-o", str(local)] + args) == 0
+    assert main(["extract", str(src), "-o", str(on_ray), "--ray", "--replicas", "2", "--batch-size", "2"] + args) == 0
+    got = rows(on_ray)
+    assert without_cache_counts(got) == without_cache_counts(rows(local))
+    assert sum("output" in r for r in got) >= 5 and got[-1]["error"]["type"] == "invalid_json"
