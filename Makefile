@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast lint format bench clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,17 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup
+# Lint and format check first (ruff, configured in pyproject.toml): a failure stops before pytest.
+test: setup lint
 	$(PY) -m pytest -q tests
+
+lint: setup
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff format --check src tests benchmarks examples
+
+format: setup
+	$(PY) -m ruff format src tests benchmarks examples
+	$(PY) -m ruff check --fix src tests benchmarks examples
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests

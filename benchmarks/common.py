@@ -1,4 +1,5 @@
 """Shared helpers for the benchmarks: workloads, machine description, medians, result files."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,29 +15,46 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 
-TOPICS = ["a late parcel", "a broken laptop screen", "a double charge on a credit card", "a hotel booking",
-          "a refund for shoes", "a slow internet connection", "a missing invoice", "a cancelled flight",
-          "a noisy washing machine", "a password reset", "a damaged sofa", "a subscription renewal"]
-ASKS = ["Summarise the problem in two sentences.", "Write a polite reply to the customer.",
-        "List the next three steps support should take.", "Explain what probably went wrong.",
-        "Suggest a fair compensation and justify it."]
+TOPICS = [
+    "a late parcel",
+    "a broken laptop screen",
+    "a double charge on a credit card",
+    "a hotel booking",
+    "a refund for shoes",
+    "a slow internet connection",
+    "a missing invoice",
+    "a cancelled flight",
+    "a noisy washing machine",
+    "a password reset",
+    "a damaged sofa",
+    "a subscription renewal",
+]
+ASKS = [
+    "Summarise the problem in two sentences.",
+    "Write a polite reply to the customer.",
+    "List the next three steps support should take.",
+    "Explain what probably went wrong.",
+    "Suggest a fair compensation and justify it.",
+]
 
 
 def chat_workload(n: int = 64, seed: int = 0) -> list[list[dict]]:
     """n chat requests with prompts of varied length (about 20 to 300 tokens)."""
     rng = random.Random(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         topic = rng.choice(TOPICS)
-        details = " ".join(f"Detail {k}: the customer mentioned {rng.choice(TOPICS)} as well." for k in
-                           range(rng.randint(0, 12)))
+        details = " ".join(
+            f"Detail {k}: the customer mentioned {rng.choice(TOPICS)} as well." for k in range(rng.randint(0, 12))
+        )
         msg = f"A customer wrote to us about {topic}. {details} {rng.choice(ASKS)}"
         out.append([{"role": "user", "content": msg}])
     return out
 
 
-def engine_parser(doc: str, *, repeats: int, n: int | None = None, max_tokens: int | None = None,
-                  dtype: bool = False) -> argparse.ArgumentParser:
+def engine_parser(
+    doc: str, *, repeats: int, n: int | None = None, max_tokens: int | None = None, dtype: bool = False
+) -> argparse.ArgumentParser:
     """The options the CPU benchmarks of the engine share: --model, --repeats, --threads, and
     where given, the workload size (--n, --max-tokens) and --dtype."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,8 +71,13 @@ def engine_parser(doc: str, *, repeats: int, n: int | None = None, max_tokens: i
 
 
 def machine() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     else:
@@ -85,7 +108,7 @@ def measure_rounds(systems: dict[str, tuple], repeats: int) -> dict[str, dict]:
     """Run every system once per round, ``repeats`` rounds: slow drifts of a shared VM then
     hit all systems alike, and per-round ratios cancel them. systems: name -> (go, warm up?);
     go() returns (output tokens, valid-output rate or None)."""
-    for name, (go, warm) in systems.items():
+    for go, warm in systems.values():
         if warm:  # first-call allocations; the slow baselines skip it (their first batch warms up)
             go()
     runs: dict[str, list] = {name: [] for name in systems}
@@ -97,9 +120,14 @@ def measure_rounds(systems: dict[str, tuple], repeats: int) -> dict[str, dict]:
             print(f"  round {k + 1}: {name:<40} {t:6.1f} s  {n / t:6.1f} tokens/s{valid}", flush=True)
     out = {}
     for name, rs in runs.items():
-        out[name] = {"wall_s": median([t for t, _ in rs]), "tokens_per_s": median([n / t for t, (n, _) in rs]),
-                     "valid_rate": rs[-1][1][1], "runs": [t for t, _ in rs],
-                     "tokens_per_s_runs": [n / t for t, (n, _) in rs], "output_tokens": rs[-1][1][0]}
+        out[name] = {
+            "wall_s": median([t for t, _ in rs]),
+            "tokens_per_s": median([n / t for t, (n, _) in rs]),
+            "valid_rate": rs[-1][1][1],
+            "runs": [t for t, _ in rs],
+            "tokens_per_s_runs": [n / t for t, (n, _) in rs],
+            "output_tokens": rs[-1][1][0],
+        }
     return out
 
 

@@ -7,6 +7,7 @@ valid -> must be accepted to completion; invalid -> must be rejected somewhere.
 
     python benchmarks/conformance.py [--limit N] [--backend NAME] [--write-baseline]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,9 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from constrained_serve.grammar.spec import follow_local_refs
 
@@ -39,7 +41,7 @@ def split_of(name: str) -> str:
     """Split = file name prefix: 'Github---x.json' -> Github, 'BFCL_simple_3.json' -> BFCL."""
     if "---" in name:
         return name.split("---", 1)[0]
-    return re.split(r"[_.]", name, 1)[0]
+    return re.split(r"[_.]", name, maxsplit=1)[0]
 
 
 def schema_files(limit: int | None = None) -> list[Path]:
@@ -101,10 +103,15 @@ def order_like_schema(value: Any, schema: Any, root: Any, valid: _Validity | Non
                     if k not in subs:
                         order.append(k)
                         subs[k] = s
-        patterns = [(p, s) for b in branches if isinstance(b.get("patternProperties"), dict)
-                    for p, s in b["patternProperties"].items()]
-        extra_schema = next((b["additionalProperties"] for b in branches
-                             if isinstance(b.get("additionalProperties"), dict)), None)
+        patterns = [
+            (p, s)
+            for b in branches
+            if isinstance(b.get("patternProperties"), dict)
+            for p, s in b["patternProperties"].items()
+        ]
+        extra_schema = next(
+            (b["additionalProperties"] for b in branches if isinstance(b.get("additionalProperties"), dict)), None
+        )
 
         def sub_for(k: str) -> Any:
             if k in subs:
@@ -152,10 +159,13 @@ def evaluate(manager: Any, backend: str, files: list[Path], tokenizer: Any) -> d
     for path in files:
         doc = json.loads(path.read_text())
         tests = doc.get("tests", [])
-        r: dict[str, Any] = {"compiled": False,
-                             "valid_total": sum(1 for t in tests if t["valid"]),
-                             "invalid_total": sum(1 for t in tests if not t["valid"]),
-                             "valid_accepted": 0, "invalid_rejected": 0}
+        r: dict[str, Any] = {
+            "compiled": False,
+            "valid_total": sum(1 for t in tests if t["valid"]),
+            "invalid_total": sum(1 for t in tests if not t["valid"]),
+            "valid_accepted": 0,
+            "invalid_rejected": 0,
+        }
         t0 = time.perf_counter()
         try:
             spec = make_output_spec(schema=doc["schema"])
@@ -203,10 +213,12 @@ def summarize(results: dict[str, dict[str, dict]]) -> str:
         for key in ["all"] + sorted(k for k in by_split if k != "all"):
             c = by_split[key]
             pct = lambda a, b: f"{100 * a / b:5.1f}%" if b else "   n/a"  # noqa: E731
-            lines.append(f"{key:>16}: {c['compiled']:4d}/{c['schemas']:<4d} {pct(c['compiled'], c['schemas'])} | "
-                         f"{c['valid_accepted']:4d}/{c['v_tot_c']:<4d} {pct(c['valid_accepted'], c['v_tot_c'])}; "
-                         f"{pct(c['valid_accepted'], c['valid_total'])} | "
-                         f"{c['invalid_rejected']:4d}/{c['i_tot_c']:<4d} {pct(c['invalid_rejected'], c['i_tot_c'])}")
+            lines.append(
+                f"{key:>16}: {c['compiled']:4d}/{c['schemas']:<4d} {pct(c['compiled'], c['schemas'])} | "
+                f"{c['valid_accepted']:4d}/{c['v_tot_c']:<4d} {pct(c['valid_accepted'], c['v_tot_c'])}; "
+                f"{pct(c['valid_accepted'], c['valid_total'])} | "
+                f"{c['invalid_rejected']:4d}/{c['i_tot_c']:<4d} {pct(c['invalid_rejected'], c['i_tot_c'])}"
+            )
     return "\n".join(lines)
 
 

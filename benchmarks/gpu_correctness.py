@@ -19,6 +19,7 @@ machine without CUDA) and on a GPU with the real shapes:
 
     python benchmarks/gpu_correctness.py [--config llama-3.2-1b] [--dtype float32|bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,13 +36,21 @@ sys.path.append(str(ROOT / "src"))
 
 from gpu_e2e import config_path  # noqa: E402
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 16},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}}
-TEXT = ("The support ticket says the parcel arrived late and the box was damaged; the customer asks "
-        "for a refund and a new delivery date. Another message mentions a broken laptop screen, a "
-        "missing invoice and a password that cannot be reset. ") * 8
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+}
+TEXT = (
+    "The support ticket says the parcel arrived late and the box was damaged; the customer asks "
+    "for a refund and a new delivery date. Another message mentions a broken laptop screen, a "
+    "missing invoice and a password that cannot be reset. "
+) * 8
 
 
 def default_tokenizer_dir() -> Path:
@@ -64,7 +73,7 @@ def build_checkpoint(config_file: Path, tokenizer_dir: Path, dest: Path, std: fl
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, std)
     model = model.to(dtype)
@@ -79,9 +88,9 @@ def prompts(tok, n: int, length: int, shared: int) -> list[list[int]]:
     out = []
     for i in range(n):
         if i % 2 == 0:
-            p = ids[:shared] + ids[shared + 3 * i: shared + 3 * i + length - shared]
+            p = ids[:shared] + ids[shared + 3 * i : shared + 3 * i + length - shared]
         else:
-            p = ids[5 * i: 5 * i + length]
+            p = ids[5 * i : 5 * i + length]
         assert len(p) == length, "the sample text is too short for these lengths"
         out.append(p)
     return out
@@ -122,11 +131,17 @@ def hf_generate(model, rows: list[list[int]], max_new: int, device, processor=No
 
     ids = torch.tensor(rows, device=device)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                             eos_token_id=None if processor is None else model.config.eos_token_id,
-                             pad_token_id=0, logits_processor=LogitsProcessorList([processor] if processor else []))
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=None if processor is None else model.config.eos_token_id,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([processor] if processor else []),
+        )
     result = []
-    for row in out[:, ids.shape[1]:].tolist():
+    for row in out[:, ids.shape[1] :].tolist():
         if processor is not None and model.config.eos_token_id in row:
             # The engine ends a request once its grammar allows nothing but EOS (without a
             # step to sample it); HF samples the EOS.
@@ -138,13 +153,24 @@ def hf_generate(model, rows: list[list[int]], max_new: int, device, processor=No
 def compare(name: str, ours: list[list[int]], theirs: list[list[int]], report: dict) -> float:
     equal = sum(a == b for a, b in zip(ours, theirs))
     first = sum(a[:1] == b[:1] for a, b in zip(ours, theirs))
-    diverge = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-               for a, b in zip(ours, theirs) if a != b]
+    diverge = [
+        next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for a, b in zip(ours, theirs)
+        if a != b
+    ]
     rate = equal / len(ours)
-    report[name] = {"sequences": len(ours), "equal": equal, "rate": rate, "first_token_equal": first,
-                    "first_divergence_positions": diverge[:16]}
-    print(f"{name:<28} {equal}/{len(ours)} sequences equal ({rate:.1%}); first token {first}/{len(ours)}"
-          + (f"; diverge at {diverge[:8]}" if diverge else ""), flush=True)
+    report[name] = {
+        "sequences": len(ours),
+        "equal": equal,
+        "rate": rate,
+        "first_token_equal": first,
+        "first_divergence_positions": diverge[:16],
+    }
+    print(
+        f"{name:<28} {equal}/{len(ours)} sequences equal ({rate:.1%}); first token {first}/{len(ours)}"
+        + (f"; diverge at {diverge[:8]}" if diverge else ""),
+        flush=True,
+    )
     return rate
 
 
@@ -156,26 +182,38 @@ def run(args: argparse.Namespace) -> dict:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
-    report: dict = {"config": args.config, "dtype": args.dtype, "device": device, "std": args.std,
-                    "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
+    report: dict = {
+        "config": args.config,
+        "dtype": args.dtype,
+        "device": device,
+        "std": args.std,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         t0 = time.perf_counter()
-        hf, tok = build_checkpoint(config_path(args.config), Path(args.tokenizer or default_tokenizer_dir()),
-                                   folder, args.std, dtype)
+        hf, tok = build_checkpoint(
+            config_path(args.config), Path(args.tokenizer or default_tokenizer_dir()), folder, args.std, dtype
+        )
         hf = hf.to(device).eval()
         report["build_s"] = round(time.perf_counter() - t0, 1)
         page = 16
         rows = prompts(tok, args.num_requests, args.prompt_len, shared=4 * page)
         # Room for about half the requests at full length: the rest wait or get preempted.
         kv_tokens = max(4 * page, (args.num_requests // 2) * (args.prompt_len + args.output_len))
-        common = dict(model=str(folder), dtype=args.dtype, device=device, page_size=page,
-                      max_num_seqs=args.num_requests, max_num_batched_tokens=args.chunk, kv_cache_tokens=kv_tokens)
+        common = dict(
+            model=str(folder),
+            dtype=args.dtype,
+            device=device,
+            page_size=page,
+            max_num_seqs=args.num_requests,
+            max_num_batched_tokens=args.chunk,
+            kv_cache_tokens=kv_tokens,
+        )
         eng = Engine(**common)
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
         ours = [r.token_ids for r in eng.generate(rows, params)]
-        report["engine_paths"] = {"preemptions": eng.core.scheduler.num_preemptions,
-                                  "cached_prompt_tokens": None}
+        report["engine_paths"] = {"preemptions": eng.core.scheduler.num_preemptions, "cached_prompt_tokens": None}
         again = eng.generate(rows, params)  # now from the prefix cache
         report["engine_paths"]["cached_prompt_tokens"] = sum(r.usage.cached_tokens for r in again)
         report["engine_paths"]["equal_with_cache"] = all(a.token_ids == b for a, b in zip(again, ours))
@@ -186,10 +224,17 @@ def run(args: argparse.Namespace) -> dict:
             n = min(args.num_requests, 8)
             for backend in ("llguidance", "xgrammar"):
                 e2 = Engine(**common, fast_forward=False, grammar_backend=backend)
-                got = [r.token_ids for r in e2.generate(rows[:n], SamplingParams(max_tokens=args.output_len),
-                                                        schema=SCHEMA)]
-                gm = GrammarManager(tok, e2.vocab_size, default_backend=backend, isolation="inline",
-                                    eos_token_ids=sorted(e2.core.eos_token_ids))
+                got = [
+                    r.token_ids
+                    for r in e2.generate(rows[:n], SamplingParams(max_tokens=args.output_len), schema=SCHEMA)
+                ]
+                gm = GrammarManager(
+                    tok,
+                    e2.vocab_size,
+                    default_backend=backend,
+                    isolation="inline",
+                    eos_token_ids=sorted(e2.core.eos_token_ids),
+                )
                 proc = GrammarProcessor(gm, gm.compile(make_output_spec(schema=SCHEMA)), n, args.prompt_len)
                 want = hf_generate(hf, rows[:n], args.output_len, device, proc)
                 rates.append(compare(f"JSON schema, {backend}", got, want, report))
@@ -222,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     text = json.dumps(report, indent=1)
     print(text)
-    for path in [args.json] + ([str(Path(os.environ["OUT"]) / f"gpu_correctness-{args.config}-{args.dtype}.json")]
-                              if os.environ.get("OUT") else []):
+    for path in [args.json] + (
+        [str(Path(os.environ["OUT"]) / f"gpu_correctness-{args.config}-{args.dtype}.json")]
+        if os.environ.get("OUT")
+        else []
+    ):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)

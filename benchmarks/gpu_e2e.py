@@ -10,6 +10,7 @@ random weights are then copied (unfused) into the HF model, so both run the same
 greedy outputs can be compared (bf16 kernels differ, so a match rate is reported, not asserted).
 Writes JSON to $OUT/gpu_e2e-<config>.json when $OUT is set, and to --json when given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ def build_model_dir(config_file: Path, dest: Path) -> dict:
     eos = cfg.get("eos_token_id", V - 1)
     eos = eos[0] if isinstance(eos, list) else eos
     bos = cfg.get("bos_token_id", 0)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<t0>", eos_token=f"<t{eos}>",
-                                   bos_token=f"<t{bos}>", pad_token="<t0>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<t0>", eos_token=f"<t{eos}>", bos_token=f"<t{bos}>", pad_token="<t0>"
+    )
     fast.save_pretrained(str(dest))
     return cfg
 
@@ -110,19 +112,30 @@ def run(args: argparse.Namespace) -> dict:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg_file = config_path(args.config)
-    report: dict = {"config": args.config, "num_requests": args.num_requests,
-                    "prompt_len": args.prompt_len, "output_len": args.output_len, "device": device,
-                    "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
-                    "kernels": os.environ.get("CONSTRAINED_SERVE_KERNELS", "auto"),
-                    "torch": torch.__version__}
+    report: dict = {
+        "config": args.config,
+        "num_requests": args.num_requests,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "kernels": os.environ.get("CONSTRAINED_SERVE_KERNELS", "auto"),
+        "torch": torch.__version__,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / args.config
         cfg = build_model_dir(cfg_file, model_dir)
         prompts = make_prompts(args.num_requests, args.prompt_len, cfg["vocab_size"], args.seed)
         kv_tokens = args.num_requests * (args.prompt_len + args.output_len + 32)
         t0 = time.perf_counter()
-        engine = Engine(model=str(model_dir), load_format="dummy", dtype=args.dtype, device=device,
-                        max_num_seqs=args.max_num_seqs, kv_cache_tokens=kv_tokens)
+        engine = Engine(
+            model=str(model_dir),
+            load_format="dummy",
+            dtype=args.dtype,
+            device=device,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_tokens=kv_tokens,
+        )
         report["engine_load_s"] = round(time.perf_counter() - t0, 2)
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
 
@@ -137,9 +150,12 @@ def run(args: argparse.Namespace) -> dict:
         sync()
         dt = time.perf_counter() - t0
         lens = [len(r.token_ids) for r in results]
-        report["engine"] = {"seconds": round(dt, 3), "output_tokens": sum(lens),
-                            "output_tok_per_s": round(sum(lens) / dt, 1),
-                            "all_full_length": all(n == args.output_len for n in lens)}
+        report["engine"] = {
+            "seconds": round(dt, 3),
+            "output_tokens": sum(lens),
+            "output_tok_per_s": round(sum(lens) / dt, 1),
+            "all_full_length": all(n == args.output_len for n in lens),
+        }
         print("ENGINE " + json.dumps(report["engine"]), flush=True)
 
         if not args.skip_hf:
@@ -172,39 +188,56 @@ def run(args: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 for i in range(0, len(prompts), bs):
-                    ids = torch.tensor(prompts[i:i + bs], device=device)
-                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                                      eos_token_id=None, pad_token_id=0)
-                    hf_tokens.extend(out[:, ids.shape[1]:].tolist())
+                    ids = torch.tensor(prompts[i : i + bs], device=device)
+                    out = hf.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        do_sample=False,
+                        max_new_tokens=args.output_len,
+                        min_new_tokens=args.output_len,
+                        eos_token_id=None,
+                        pad_token_id=0,
+                    )
+                    hf_tokens.extend(out[:, ids.shape[1] :].tolist())
             sync()
             dt = time.perf_counter() - t0
             n = sum(len(t) for t in hf_tokens)
-            report["hf"] = {"seconds": round(dt, 3), "output_tokens": n,
-                            "output_tok_per_s": round(n / dt, 1), "batch_size": bs}
-            report["speedup_vs_hf"] = round(report["engine"]["output_tok_per_s"]
-                                            / max(report["hf"]["output_tok_per_s"], 1e-9), 3)
+            report["hf"] = {
+                "seconds": round(dt, 3),
+                "output_tokens": n,
+                "output_tok_per_s": round(n / dt, 1),
+                "batch_size": bs,
+            }
+            report["speedup_vs_hf"] = round(
+                report["engine"]["output_tok_per_s"] / max(report["hf"]["output_tok_per_s"], 1e-9), 3
+            )
             if same_weights:
                 first = sum(r.token_ids[:1] == h[:1] for r, h in zip(results, hf_tokens))
                 exact = sum(r.token_ids == h for r, h in zip(results, hf_tokens))
-                report["greedy_match"] = {"first_token": first / len(results),
-                                          "full_sequence": exact / len(results)}
+                report["greedy_match"] = {"first_token": first / len(results), "full_sequence": exact / len(results)}
             print("HF " + json.dumps(report["hf"]), flush=True)
     return report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Engine vs HF generate, random weights, fixed output length")
-    ap.add_argument("--config", default="llama-3.2-1b",
-                    help="name under benchmarks/configs/ (llama-3.2-1b, llama-3.1-8b, tiny-llama) or a .json")
+    ap.add_argument(
+        "--config",
+        default="llama-3.2-1b",
+        help="name under benchmarks/configs/ (llama-3.2-1b, llama-3.1-8b, tiny-llama) or a .json",
+    )
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    ap.add_argument("--kernels", choices=["auto", "torch", "triton"], default=None,
-                    help="sets CONSTRAINED_SERVE_KERNELS for the engine")
+    ap.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "triton"],
+        default=None,
+        help="sets CONSTRAINED_SERVE_KERNELS for the engine",
+    )
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default: all requests at once")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--seed", type=int, default=0)

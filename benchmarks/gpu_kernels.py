@@ -7,6 +7,7 @@ CUDA, then each kernel timed against the obvious torch alternative (medians over
 Writes JSON to $OUT/gpu_kernels.json (when $OUT is set) and benchmarks/results/<date>-<gpu>.json.
 Exit status 1 when any check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,14 +32,28 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from tests.kernel_tests.helpers import expected_probs, make_batch  # noqa: E402
 
 from constrained_serve.kernels import attention as A  # noqa: E402
 from constrained_serve.kernels import sampling as S  # noqa: E402
-from tests.kernel_tests.helpers import expected_probs, make_batch  # noqa: E402
 
-CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
-                 8: 26.124, 9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528,
-                 14: 36.123, 15: 37.697}
+CHI2_CRIT_001 = {
+    1: 10.828,
+    2: 13.816,
+    3: 16.266,
+    4: 18.467,
+    5: 20.515,
+    6: 22.458,
+    7: 24.322,
+    8: 26.124,
+    9: 27.877,
+    10: 29.588,
+    11: 31.264,
+    12: 32.909,
+    13: 34.528,
+    14: 36.123,
+    15: 37.697,
+}
 
 
 class Bench:
@@ -55,12 +70,15 @@ class Bench:
             detail = fn()
             entry = {"name": name, "ok": True, **(detail or {})}
         except Exception as e:
-            entry = {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
-                     "traceback": traceback.format_exc()[-3000:]}
+            entry = {
+                "name": name,
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}"[:3000],
+                "traceback": traceback.format_exc()[-3000:],
+            }
         entry["seconds"] = round(time.perf_counter() - t0, 3)
         self.checks.append(entry)
-        print(("PASS " if entry["ok"] else "FAIL ") + name + ("" if entry["ok"] else "\n" + entry["error"]),
-              flush=True)
+        print(("PASS " if entry["ok"] else "FAIL ") + name + ("" if entry["ok"] else "\n" + entry["error"]), flush=True)
 
     def time_ms(self, fn) -> float:
         """Median milliseconds of fn() over repeats (CUDA events on GPU, wall clock on CPU)."""
@@ -136,24 +154,28 @@ def attention_checks(b: Bench, smoke: bool) -> None:
         pre_ctx = [0, 1000, 64, 4095]
         mixed = ([1] * nd + pre_q, dec_lens + [c + n for c, n in zip(pre_ctx, pre_q)])
         decode = ([1] * 16, torch.randint(1, 20000, (16,), generator=gl).tolist())
-        configs = [(ps, hkv, grp, d, dt)
-                   for ps in (16, 128) for (hkv, grp) in ((8, 4), (4, 1)) for d in (64, 128)
-                   for dt in (torch.bfloat16, torch.float16)] + [(16, 8, 4, 128, torch.float32)]
+        configs = [
+            (ps, hkv, grp, d, dt)
+            for ps in (16, 128)
+            for (hkv, grp) in ((8, 4), (4, 1))
+            for d in (64, 128)
+            for dt in (torch.bfloat16, torch.float16)
+        ] + [(16, 8, 4, 128, torch.float32)]
     for ps, hkv, grp, d, dt in configs:
         tag = f"ps{ps}_hkv{hkv}_g{grp}_d{d}_{str(dt)[6:]}"
 
         def run_mixed(ps=ps, hkv=hkv, grp=grp, d=d, dt=dt):
             q, kc, vc, meta = _paged(*mixed, ps, hkv, grp, d, dt, dev)
-            ref = A.paged_attention_torch(q, kc, vc, meta, d ** -0.5)
-            out = A.paged_attention_triton(q, kc, vc, meta, d ** -0.5, num_splits=1)
+            ref = A.paged_attention_torch(q, kc, vc, meta, d**-0.5)
+            out = A.paged_attention_triton(q, kc, vc, meta, d**-0.5, num_splits=1)
             return _close(out, ref, _TOL[dt])
 
         def run_split(ps=ps, hkv=hkv, grp=grp, d=d, dt=dt):
             q, kc, vc, meta = _paged(*decode, ps, hkv, grp, d, dt, dev, seed=1)
-            ref = A.paged_attention_torch(q, kc, vc, meta, d ** -0.5)
+            ref = A.paged_attention_torch(q, kc, vc, meta, d**-0.5)
             res = {}
             for ns in (None, 3, 8):
-                out = A.paged_attention_triton(q, kc, vc, meta, d ** -0.5, num_splits=ns)
+                out = A.paged_attention_triton(q, kc, vc, meta, d**-0.5, num_splits=ns)
                 res[f"splits_{ns}"] = _close(out, ref, _TOL[dt])["max_abs_err"]
             return res
 
@@ -179,7 +201,7 @@ def attention_timings(b: Bench, smoke: bool) -> None:
     dev = b.device
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     hkv, grp, d, ps = (2, 2, 64, 16) if smoke else (8, 4, 128, 16)
-    scale = d ** -0.5
+    scale = d**-0.5
     decode_cases = [(4, 64)] if smoke else [(64, 2048), (256, 1024), (8, 16384), (1, 32768)]
     for B, L in decode_cases:
         q, kc, vc, meta = _paged([1] * B, [L] * B, ps, hkv, grp, d, dt, dev)
@@ -188,14 +210,16 @@ def attention_timings(b: Bench, smoke: bool) -> None:
         vd = vc[pages].reshape(B, -1, hkv, d)[:, :L].transpose(1, 2).contiguous()
         qd = q.view(B, hkv * grp, 1, d)
         splits = A.default_num_splits(meta, hkv)
-        b.compare("attention_decode", {"batch": B, "ctx": L, "hq": hkv * grp, "hkv": hkv, "d": d,
-                                       "page_size": ps, "num_splits": splits}, {
-            "triton": lambda: A.paged_attention_triton(q, kc, vc, meta, scale),
-            "triton_nosplit": lambda: A.paged_attention_triton(q, kc, vc, meta, scale, num_splits=1),
-            "sdpa_contiguous": lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale,
-                                                                       enable_gqa=True),
-            "torch_reference": lambda: A.paged_attention_torch(q, kc, vc, meta, scale),
-        })
+        b.compare(
+            "attention_decode",
+            {"batch": B, "ctx": L, "hq": hkv * grp, "hkv": hkv, "d": d, "page_size": ps, "num_splits": splits},
+            {
+                "triton": lambda: A.paged_attention_triton(q, kc, vc, meta, scale),
+                "triton_nosplit": lambda: A.paged_attention_triton(q, kc, vc, meta, scale, num_splits=1),
+                "sdpa_contiguous": lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True),
+                "torch_reference": lambda: A.paged_attention_torch(q, kc, vc, meta, scale),
+            },
+        )
     prefill_cases = [(2, 16)] if smoke else [(4, 2048), (1, 8192)]
     for B, n in prefill_cases:
         q, kc, vc, meta = _paged([n] * B, [n] * B, ps, hkv, grp, d, dt, dev)
@@ -203,30 +227,42 @@ def attention_timings(b: Bench, smoke: bool) -> None:
         kd = kc[pages].reshape(B, -1, hkv, d)[:, :n].transpose(1, 2).contiguous()
         vd = vc[pages].reshape(B, -1, hkv, d)[:, :n].transpose(1, 2).contiguous()
         qd = q.view(B, n, hkv * grp, d).transpose(1, 2).contiguous()
-        b.compare("attention_prefill", {"batch": B, "chunk": n, "hq": hkv * grp, "hkv": hkv, "d": d}, {
-            "triton": lambda: A.paged_attention_triton(q, kc, vc, meta, scale),
-            "sdpa_contiguous": lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale,
-                                                                       is_causal=True, enable_gqa=True),
-            "torch_reference": lambda: A.paged_attention_torch(q, kc, vc, meta, scale),
-        })
+        b.compare(
+            "attention_prefill",
+            {"batch": B, "chunk": n, "hq": hkv * grp, "hkv": hkv, "d": d},
+            {
+                "triton": lambda: A.paged_attention_triton(q, kc, vc, meta, scale),
+                "sdpa_contiguous": lambda: F.scaled_dot_product_attention(
+                    qd, kd, vd, scale=scale, is_causal=True, enable_gqa=True
+                ),
+                "torch_reference": lambda: A.paged_attention_torch(q, kc, vc, meta, scale),
+            },
+        )
     nd, npf = (2, 1) if smoke else (64, 2)
     ctx, chunk = (40, 8) if smoke else (2048, 512)
-    q, kc, vc, meta = _paged([1] * nd + [chunk] * npf, [ctx] * nd + [chunk + ctx] * npf, ps, hkv,
-                             grp, d, dt, dev)
-    b.compare("attention_mixed", {"decodes": nd, "ctx": ctx, "prefills": npf, "chunk": chunk}, {
-        "triton": lambda: A.paged_attention_triton(q, kc, vc, meta, scale),
-        "torch_reference": lambda: A.paged_attention_torch(q, kc, vc, meta, scale),
-    })
+    q, kc, vc, meta = _paged([1] * nd + [chunk] * npf, [ctx] * nd + [chunk + ctx] * npf, ps, hkv, grp, d, dt, dev)
+    b.compare(
+        "attention_mixed",
+        {"decodes": nd, "ctx": ctx, "prefills": npf, "chunk": chunk},
+        {
+            "triton": lambda: A.paged_attention_triton(q, kc, vc, meta, scale),
+            "torch_reference": lambda: A.paged_attention_torch(q, kc, vc, meta, scale),
+        },
+    )
     T = 16 if smoke else 8192
     k = torch.randn(T, hkv, d, device=dev, dtype=dt)
     v = torch.randn(T, hkv, d, device=dev, dtype=dt)
     kc = torch.zeros(-(-T // ps) + 8, ps, hkv, d, device=dev, dtype=dt)
     vc = torch.zeros_like(kc)
     slots = torch.randperm(kc.shape[0] * ps, device=dev)[:T]
-    b.compare("store_kv", {"tokens": T, "hkv": hkv, "d": d}, {
-        "triton": lambda: A.store_kv_triton(k, v, kc, vc, slots),
-        "torch_reference": lambda: A.store_kv_torch(k, v, kc, vc, slots),
-    })
+    b.compare(
+        "store_kv",
+        {"tokens": T, "hkv": hkv, "d": d},
+        {
+            "triton": lambda: A.store_kv_triton(k, v, kc, vc, slots),
+            "torch_reference": lambda: A.store_kv_torch(k, v, kc, vc, slots),
+        },
+    )
 
 
 # ------------------------------------------------------------------------------- sampling
@@ -245,9 +281,13 @@ def _params(R: int, dev, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0
     def col(v, dtype):
         return v.to(dev, dtype) if isinstance(v, torch.Tensor) else torch.full((R,), v, dtype=dtype, device=dev)
 
-    return dict(temperature=col(temperature, torch.float32), top_k=col(top_k, torch.int64),
-                top_p=col(top_p, torch.float32), min_p=col(min_p, torch.float32),
-                seeds=torch.arange(seed0, seed0 + R, dtype=torch.int64, device=dev))
+    return dict(
+        temperature=col(temperature, torch.float32),
+        top_k=col(top_k, torch.int64),
+        top_p=col(top_p, torch.float32),
+        min_p=col(min_p, torch.float32),
+        seeds=torch.arange(seed0, seed0 + R, dtype=torch.int64, device=dev),
+    )
 
 
 def sampling_checks(b: Bench, smoke: bool) -> None:
@@ -261,8 +301,9 @@ def sampling_checks(b: Bench, smoke: bool) -> None:
             allowed = (torch.rand(R, V, generator=g) < 0.3).to(dev)
             allowed[0] = True
             bm = _pack(allowed)
-            assert torch.equal(S.apply_bitmask_torch(logits.clone(), bm),
-                               S.apply_bitmask_triton(logits.clone(), bm)), dt
+            assert torch.equal(S.apply_bitmask_torch(logits.clone(), bm), S.apply_bitmask_triton(logits.clone(), bm)), (
+                dt
+            )
 
     def masked_never_and_greedy():
         g = torch.Generator().manual_seed(1)
@@ -271,11 +312,16 @@ def sampling_checks(b: Bench, smoke: bool) -> None:
         logits = (torch.randn(R, V, generator=g) + 8.0 * (~allowed).float()).to(dev, torch.bfloat16)
         allowed = allowed.to(dev)
         bm = _pack(allowed)
-        temperature = (torch.rand(R, generator=g) * 2.0)
+        temperature = torch.rand(R, generator=g) * 2.0
         temperature[::5] = 0.0
-        params = _params(R, dev, temperature, torch.randint(0, 50, (R,), generator=g),
-                         torch.where(torch.rand(R, generator=g) < 0.5, 0.9, 1.0),
-                         torch.where(torch.rand(R, generator=g) < 0.3, 0.05, 0.0))
+        params = _params(
+            R,
+            dev,
+            temperature,
+            torch.randint(0, 50, (R,), generator=g),
+            torch.where(torch.rand(R, generator=g) < 0.5, 0.9, 1.0),
+            torch.where(torch.rand(R, generator=g) < 0.3, 0.05, 0.0),
+        )
         tok = S.sample_triton(logits, bm, **params)
         assert bool(allowed[torch.arange(R, device=dev), tok].all()), "drew a masked token"
         want = logits.float().masked_fill(~allowed, -math.inf).argmax(-1)
@@ -289,8 +335,12 @@ def sampling_checks(b: Bench, smoke: bool) -> None:
         N = 3000 if smoke else 200_000
         base = torch.linspace(-1.5, 1.5, 12)[torch.randperm(12, generator=torch.Generator().manual_seed(0))]
         out = {}
-        for name, T, k, p, mp in (("plain", 1.0, 0, 1.0, 0.0), ("topk", 0.7, 5, 1.0, 0.0),
-                                  ("topp", 1.0, 0, 0.8, 0.0), ("all", 1.5, 6, 0.9, 0.05)):
+        for name, T, k, p, mp in (
+            ("plain", 1.0, 0, 1.0, 0.0),
+            ("topk", 0.7, 5, 1.0, 0.0),
+            ("topp", 1.0, 0, 0.8, 0.0),
+            ("all", 1.5, 6, 0.9, 0.05),
+        ):
             tok = S.sample_triton(base.repeat(N, 1).to(dev), None, **_params(N, dev, T, k, p, mp))
             counts = torch.bincount(tok, minlength=12).double().cpu()
             exp = expected_probs(base, None, T, k, p, mp) * N
@@ -332,30 +382,47 @@ def sampling_timings(b: Bench, smoke: bool) -> None:
         return idx.gather(1, order.gather(1, pick))
 
     shape = {"rows": R, "vocab": V}
-    b.compare("sample_plain", shape, {
-        "triton": lambda: S.sample_triton(logits, bm, **plain),
-        "torch_masked_softmax_multinomial": torch_alternative,
-    })
-    b.compare("sample_topk50_topp0.9", shape, {
-        "triton": lambda: S.sample_triton(logits, bm, **filt),
-        "torch_masked_topk_topp_multinomial": torch_alternative_topk_topp,
-        "torch_reference": lambda: S.sample_torch(logits, bm, **filt),
-    })
-    b.compare("sample_greedy", shape, {
-        "triton": lambda: S.sample_triton(logits, bm, **plain, all_greedy=True),
-        "torch_masked_argmax": lambda: logits.masked_fill(~S.unpack_bitmask(bm, V), float("-inf")).argmax(-1),
-    })
+    b.compare(
+        "sample_plain",
+        shape,
+        {
+            "triton": lambda: S.sample_triton(logits, bm, **plain),
+            "torch_masked_softmax_multinomial": torch_alternative,
+        },
+    )
+    b.compare(
+        "sample_topk50_topp0.9",
+        shape,
+        {
+            "triton": lambda: S.sample_triton(logits, bm, **filt),
+            "torch_masked_topk_topp_multinomial": torch_alternative_topk_topp,
+            "torch_reference": lambda: S.sample_torch(logits, bm, **filt),
+        },
+    )
+    b.compare(
+        "sample_greedy",
+        shape,
+        {
+            "triton": lambda: S.sample_triton(logits, bm, **plain, all_greedy=True),
+            "torch_masked_argmax": lambda: logits.masked_fill(~S.unpack_bitmask(bm, V), float("-inf")).argmax(-1),
+        },
+    )
     work = logits.clone()
-    b.compare("apply_bitmask", shape, {
-        "triton": lambda: S.apply_bitmask_triton(work, bm),
-        "torch_reference": lambda: S.apply_bitmask_torch(work, bm),
-    })
+    b.compare(
+        "apply_bitmask",
+        shape,
+        {
+            "triton": lambda: S.apply_bitmask_triton(work, bm),
+            "torch_reference": lambda: S.apply_bitmask_torch(work, bm),
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Triton kernel checks and timings")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="tiny sizes on CPU under TRITON_INTERPRET=1 (checks the script itself)")
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1 (checks the script itself)"
+    )
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-timings", action="store_true")
@@ -366,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: use --cpu-smoke", file=sys.stderr)
         return 2
     dev = torch.device("cpu" if smoke else "cuda")
-    b = Bench(dev, args.repeats or (2 if smoke else 30), args.warmup if args.warmup is not None else (1 if smoke else 5))
+    b = Bench(
+        dev, args.repeats or (2 if smoke else 30), args.warmup if args.warmup is not None else (1 if smoke else 5)
+    )
     torch.manual_seed(0)
     attention_checks(b, smoke)
     sampling_checks(b, smoke)
@@ -378,10 +447,15 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": gpu, "torch": torch.__version__, "triton": triton.__version__,
-        "cuda": torch.version.cuda, "smoke": smoke,
-        "checks_passed": sum(c["ok"] for c in b.checks), "checks_failed": sum(not c["ok"] for c in b.checks),
-        "checks": b.checks, "timings": b.timings,
+        "device": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "smoke": smoke,
+        "checks_passed": sum(c["ok"] for c in b.checks),
+        "checks_failed": sum(not c["ok"] for c in b.checks),
+        "checks": b.checks,
+        "timings": b.timings,
     }
     text = json.dumps(report, indent=1)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()

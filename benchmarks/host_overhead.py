@@ -11,6 +11,7 @@ figure is their median.
 
     python benchmarks/host_overhead.py [--rows 64 256] [--tokens 64] [--repeats 3] [--mask-workers N] [--profile]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from common import save  # noqa: E402
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tags", "note"],
-          "properties": {"id": {"type": "integer", "minimum": 0},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 8},
-                         "note": {"type": "string", "maxLength": 400}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["id", "tags", "note"],
+    "properties": {
+        "id": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 8},
+        "note": {"type": "string", "maxLength": 400},
+    },
+}
 
 
 def tiny_model(folder: Path, vocab: int = 512) -> Path:
@@ -37,20 +44,36 @@ def tiny_model(folder: Path, vocab: int = 512) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    words = ("the customer order parcel late broken screen refund invoice note tag json value name "
-             "id list item text more about a of to and in").split()
-    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) + ' {"id": 12, "tags": ["a"]}'
-              for i in range(400)]
+    words = (
+        "the customer order parcel late broken screen refund invoice note tag json value name "
+        "id list item text more about a of to and in"
+    ).split()
+    corpus = [
+        " ".join(words[(i * 7 + j) % len(words)] for j in range(12)) + ' {"id": 12, "tags": ["a"]}' for i in range(400)
+    ]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
     hf.save_pretrained(str(folder))
-    cfg = LlamaConfig(vocab_size=len(hf), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=hf.eos_token_id, eos_token_id=hf.eos_token_id, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(hf),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=hf.eos_token_id,
+        eos_token_id=hf.eos_token_id,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(str(folder))
     return folder
@@ -108,10 +131,17 @@ def run(engine, rows: int, tokens: int, constrained: bool, repeats: int, tempera
         per_round.append(statistics.median(host))
         fwd = statistics.median([f * 1e3 for s, f, n, t in timer.steps if n == rows and t == rows])
     out_tokens = sum(r.usage.completion_tokens for r in results)
-    return {"rows": rows, "constrained": constrained, "host_ms_median": statistics.median(per_round),
-            "host_ms_rounds": per_round, "forward_ms_median": fwd, "steady_steps": len(timer.steady(rows)),
-            "wall_s": statistics.median(walls), "output_tokens": out_tokens,
-            "finish": {k: sum(r.finish_reason == k for r in results) for k in ("stop", "length", "abort")}}
+    return {
+        "rows": rows,
+        "constrained": constrained,
+        "host_ms_median": statistics.median(per_round),
+        "host_ms_rounds": per_round,
+        "forward_ms_median": fwd,
+        "steady_steps": len(timer.steady(rows)),
+        "wall_s": statistics.median(walls),
+        "output_tokens": out_tokens,
+        "finish": {k: sum(r.finish_reason == k for r in results) for k in ("stop", "length", "abort")},
+    }
 
 
 def main() -> None:
@@ -121,11 +151,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--backend", default="llguidance", choices=["llguidance", "xgrammar"])
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="0: greedy, as extraction runs (> 0 adds per-row seeded noise: on CPU ~7 us a row "
-                         "for its generator, in the Triton sampling kernel on GPU)")
-    ap.add_argument("--mask-workers", type=int, default=None,
-                    help="grammar mask worker processes (default: the engine's, 1 on CPU; on CUDA up to 8)")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy, as extraction runs (> 0 adds per-row seeded noise: on CPU ~7 us a row "
+        "for its generator, in the Triton sampling kernel on GPU)",
+    )
+    ap.add_argument(
+        "--mask-workers",
+        type=int,
+        default=None,
+        help="grammar mask worker processes (default: the engine's, 1 on CPU; on CUDA up to 8)",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile the largest constrained run")
     args = ap.parse_args()
     import torch
@@ -135,19 +173,30 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     folder = tiny_model(Path(tempfile.mkdtemp(prefix="host-overhead-")))
     biggest = max(args.rows)
-    engine = Engine(model=str(folder), max_num_seqs=biggest, max_num_batched_tokens=max(512, 4 * biggest),
-                    kv_cache_tokens=biggest * (args.tokens + 64), grammar_backend=args.backend,
-                    grammar_mask_workers=args.mask_workers)
+    engine = Engine(
+        model=str(folder),
+        max_num_seqs=biggest,
+        max_num_batched_tokens=max(512, 4 * biggest),
+        kv_cache_tokens=biggest * (args.tokens + 64),
+        grammar_backend=args.backend,
+        grammar_mask_workers=args.mask_workers,
+    )
     results = []
-    print(f"host ms per steady decode step (step minus forward), median of {args.repeats} rounds; "
-          f"{args.tokens} tokens per request, {engine.device}")
+    print(
+        f"host ms per steady decode step (step minus forward), median of {args.repeats} rounds; "
+        f"{args.tokens} tokens per request, {engine.device}"
+    )
     for constrained in (False, True):
         for rows in args.rows:
             r = run(engine, rows, args.tokens, constrained, args.repeats, args.temperature)
             results.append(r)
-            print(f"  {rows:4d} rows {'JSON schema' if constrained else 'free text  '}: host {r['host_ms_median']:6.2f} ms"
-                  f"  (forward {r['forward_ms_median']:5.2f} ms, {r['steady_steps']} steady steps, "
-                  f"rounds {', '.join(f'{x:.2f}' for x in r['host_ms_rounds'])})", flush=True)
+            print(
+                f"  {rows:4d} rows {'JSON schema' if constrained else 'free text  '}: "
+                f"host {r['host_ms_median']:6.2f} ms"
+                f"  (forward {r['forward_ms_median']:5.2f} ms, {r['steady_steps']} steady steps, "
+                f"rounds {', '.join(f'{x:.2f}' for x in r['host_ms_rounds'])})",
+                flush=True,
+            )
     if args.profile:
         import cProfile
         import pstats

@@ -16,6 +16,7 @@ one call (one round trip), process vs inline.
 
     python benchmarks/masks.py [--limit N] [--backend NAME] [--rows R]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,15 +39,18 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def summary(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "p50": pct(xs, .5), "p99": pct(xs, .99), "max": max(xs)}
+    return {"mean": statistics.fmean(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": max(xs)}
 
 
 def cases(files: list[Path], tok) -> list[tuple[dict, list[list[int]]]]:
     out = []
     for path in files:
         doc = json.loads(path.read_text())
-        runs = [tok.encode(C.serialize(t["data"], doc["schema"]), add_special_tokens=False)
-                for t in doc.get("tests", []) if t["valid"]]
+        runs = [
+            tok.encode(C.serialize(t["data"], doc["schema"]), add_special_tokens=False)
+            for t in doc.get("tests", [])
+            if t["valid"]
+        ]
         out.append((doc["schema"], runs))
     return out
 
@@ -87,8 +91,16 @@ def bench_manager(backend_name: str, work, tok, isolation: str, rows: int) -> di
     from constrained_serve.errors import GrammarError
     from constrained_serve.grammar import GrammarManager, make_output_spec
 
-    mgr = GrammarManager(tok, len(tok), default_backend=backend_name, max_workers=1, mask_threads=1,
-                         cache_size=8, isolation=isolation, max_rows=max(rows, 1))
+    mgr = GrammarManager(
+        tok,
+        len(tok),
+        default_backend=backend_name,
+        max_workers=1,
+        mask_threads=1,
+        cache_size=8,
+        isolation=isolation,
+        max_rows=max(rows, 1),
+    )
     mgr.warm_up(backend_name).result()
     bitmask = mgr.step_bitmask(max(rows, 1))
     fill_s, step_s, failed = [], [], 0
@@ -117,8 +129,9 @@ def bench_manager(backend_name: str, work, tok, isolation: str, rows: int) -> di
                 mgr.fill_bitmask([(i, h) for i, (h, _) in enumerate(group)], bitmask)
                 out = mgr.advance([(h, [ids[0]], 0, ()) for h, ids in group])
                 step_s.append(time.perf_counter() - t1)
-                group = [(h, ids[1:]) for (h, ids), a in zip(group, out)
-                         if a is not None and a.accepted and len(ids) > 1]
+                group = [
+                    (h, ids[1:]) for (h, ids), a in zip(group, out) if a is not None and a.accepted and len(ids) > 1
+                ]
     stats = dict(mgr.stats)
     mgr.close()
     return {"fill": fill_s, "step": step_s, "failed": failed, "stats": stats}
@@ -126,8 +139,12 @@ def bench_manager(backend_name: str, work, tok, isolation: str, rows: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--limit", type=int, default=None,
-                    help="N schema files spread evenly over the sorted list (so every split is sampled)")
+    ap.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="N schema files spread evenly over the sorted list (so every split is sampled)",
+    )
     ap.add_argument("--backend", choices=C.BACKENDS, action="append")
     ap.add_argument("--rows", type=int, default=32, help="matchers per step for the per-step figure (0: skip)")
     args = ap.parse_args()
@@ -156,19 +173,27 @@ def main() -> None:
                 c = [v * 1e3 for v in x["compile"]]
                 r["compile_ms"] = summary(c)
                 r["compiled"], r["failed"] = len(c), x["failed"]
-                note = f"compile mean {statistics.fmean(c):.2f} ms, p99 {pct(c, .99):.1f} ms ({len(c)} compiled)"
-            print(f"{name:<11} {label:<8} {len(f):7d} {statistics.fmean(f):8.1f} {pct(f, .5):7.1f} "
-                  f"{pct(f, .99):8.1f} {max(f):9.1f} | {note}")
+                note = f"compile mean {statistics.fmean(c):.2f} ms, p99 {pct(c, 0.99):.1f} ms ({len(c)} compiled)"
+            print(
+                f"{name:<11} {label:<8} {len(f):7d} {statistics.fmean(f):8.1f} {pct(f, 0.5):7.1f} "
+                f"{pct(f, 0.99):8.1f} {max(f):9.1f} | {note}"
+            )
         cost = statistics.fmean(process["fill"]) - statistics.fmean(direct["fill"])
         r["process_cost_per_mask_us"] = cost * 1e6
         print(f"{name:<11} worker process: +{cost * 1e6:.0f} us per single-row mask (round trip) over direct")
         if args.rows:
             si, sp = [v * 1e3 for v in inline["step"]], [v * 1e3 for v in process["step"]]
-            r["step_ms"] = {"rows": args.rows, "inline": summary(si), "process": summary(sp),
-                            "ratio_p50": pct(sp, .5) / pct(si, .5)}
-            print(f"{name:<11} one step of {args.rows} rows (fill + advance): inline p50 {pct(si, .5):.2f} ms, "
-                  f"process p50 {pct(sp, .5):.2f} ms (x{pct(sp, .5) / pct(si, .5):.2f}), p99 "
-                  f"{pct(si, .99):.2f} / {pct(sp, .99):.2f} ms over {len(sp)} steps")
+            r["step_ms"] = {
+                "rows": args.rows,
+                "inline": summary(si),
+                "process": summary(sp),
+                "ratio_p50": pct(sp, 0.5) / pct(si, 0.5),
+            }
+            print(
+                f"{name:<11} one step of {args.rows} rows (fill + advance): inline p50 {pct(si, 0.5):.2f} ms, "
+                f"process p50 {pct(sp, 0.5):.2f} ms (x{pct(sp, 0.5) / pct(si, 0.5):.2f}), p99 "
+                f"{pct(si, 0.99):.2f} / {pct(sp, 0.99):.2f} ms over {len(sp)} steps"
+            )
     print("saved", save("masks", res))
 
 

@@ -11,6 +11,7 @@ ratios medians of the per-round ratios.
     python benchmarks/prefill.py [--repeats 5] [--lengths 512 1024 2048] [--threads 2]
                                  [--dtype float32|bfloat16] [--skip-hf]
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,8 +25,10 @@ from common import engine_parser, machine, measure_rounds, per_round, save  # no
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from constrained_serve.kernels import long_chunks  # noqa: E402
 
-WORDS = ("the invoice lists seven items shipped from the northern warehouse on a rainy monday and the "
-         "customer says two of them arrived broken while support promised a refund within ten days").split()
+WORDS = (
+    "the invoice lists seven items shipped from the northern warehouse on a rainy monday and the "
+    "customer says two of them arrived broken while support promised a refund within ten days"
+).split()
 
 
 def prompt_of(tokenizer, n_tokens: int) -> str:
@@ -61,6 +64,7 @@ def main() -> None:
                 return r.usage.prompt_tokens, None
             finally:
                 long_chunks.per_head_onednn = per_head
+
         return go
 
     def hf_go(text: str):
@@ -70,6 +74,7 @@ def main() -> None:
             with torch.inference_mode():
                 hf.generate(**enc, max_new_tokens=1, do_sample=False, pad_token_id=tok.eos_token_id)
             return enc["input_ids"].shape[1], None
+
         return go
 
     results = []
@@ -79,20 +84,26 @@ def main() -> None:
         if hf is not None:
             systems["hf_generate"] = (hf_go(text), True)
         m = measure_rounds(systems, args.repeats)  # prints prompt tokens/s per round
-        row = {"prompt_tokens": m["ours"]["output_tokens"], **{f"{name}_s": r["wall_s"] for name, r in m.items()},
-               "runs": {name: r["runs"] for name, r in m.items()}}
+        row = {
+            "prompt_tokens": m["ours"]["output_tokens"],
+            **{f"{name}_s": r["wall_s"] for name, r in m.items()},
+            "runs": {name: r["runs"] for name, r in m.items()},
+        }
         row["batched_attention_slowdown"] = per_round(m["ours_batched_attention"]["runs"], m["ours"]["runs"])
-        line = f"{row['prompt_tokens']:5d} prompt tokens: ours {row['ours_s']:.3f} s, " \
-               f"ours with batched attention GEMMs {row['ours_batched_attention_s']:.3f} s " \
-               f"({row['batched_attention_slowdown']:.2f}x)"
+        line = (
+            f"{row['prompt_tokens']:5d} prompt tokens: ours {row['ours_s']:.3f} s, "
+            f"ours with batched attention GEMMs {row['ours_batched_attention_s']:.3f} s "
+            f"({row['batched_attention_slowdown']:.2f}x)"
+        )
         if hf is not None:
             row["speedup_vs_hf"] = per_round(m["hf_generate"]["runs"], m["ours"]["runs"])
             line += f", HF generate {row['hf_generate_s']:.3f} s ({row['speedup_vs_hf']:.2f}x)"
         print(line)
         results.append(row)
     print("machine:", machine())
-    print("saved", save(f"prefill-{str(engine.dtype).removeprefix('torch.')}",
-                        {"args": vars(args), "results": results}))
+    print(
+        "saved", save(f"prefill-{str(engine.dtype).removeprefix('torch.')}", {"args": vars(args), "results": results})
+    )
 
 
 if __name__ == "__main__":

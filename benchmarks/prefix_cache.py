@@ -8,6 +8,7 @@
 
     python benchmarks/prefix_cache.py [--repeats 3] [--threads 2]
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,9 +21,11 @@ from common import engine_parser, machine, median, save  # noqa: E402
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from constrained_serve.request import Request  # noqa: E402
 
-FILLER = ("Our support policy covers shipping delays, damaged goods, billing errors and account access. "
-          "Agents must be polite, concise and precise, quote order numbers, and never promise refunds "
-          "that the policy does not allow. ")
+FILLER = (
+    "Our support policy covers shipping delays, damaged goods, billing errors and account access. "
+    "Agents must be polite, concise and precise, quote order numbers, and never promise refunds "
+    "that the policy does not allow. "
+)
 
 
 def ttft(engine: Engine, prompt_ids: list[int]) -> float:
@@ -48,15 +51,26 @@ def conversation_turn3(engine: Engine, repeats: int) -> dict:
     conv.close()
     off_engine = engine._off
     off = [ttft(off_engine, turn3) for _ in range(repeats)]
-    return {"history_tokens": history, "turn3_prompt_tokens": len(turn3), "ttft_on_s": median(on),
-            "ttft_off_s": median(off), "ratio": median(on) / median(off), "on_runs": on, "off_runs": off}
+    return {
+        "history_tokens": history,
+        "turn3_prompt_tokens": len(turn3),
+        "ttft_on_s": median(on),
+        "ttft_off_s": median(off),
+        "ratio": median(on) / median(off),
+        "on_runs": on,
+        "off_runs": off,
+    }
 
 
 def shared_instruction(engine_on: Engine, engine_off: Engine, n: int) -> dict:
-    instruction = ("Extract the customer's name, the order number, the product, the problem category and "
-                   "the requested action as JSON. " + FILLER * 9)
-    texts = [f"Ticket {i}: my order {1000 + i} of a blue kettle arrived broken, please replace it. Jane {i}"
-             for i in range(n)]
+    instruction = (
+        "Extract the customer's name, the order number, the product, the problem category and "
+        "the requested action as JSON. " + FILLER * 9
+    )
+    texts = [
+        f"Ticket {i}: my order {1000 + i} of a blue kettle arrived broken, please replace it. Jane {i}"
+        for i in range(n)
+    ]
     convs = [[{"role": "system", "content": instruction}, {"role": "user", "content": t}] for t in texts]
     out = {"instruction_tokens": len(engine_on.encode_chat(convs[0][:1] + [{"role": "user", "content": ""}]))}
     for name, eng in (("on", engine_on), ("off", engine_off)):
@@ -80,12 +94,16 @@ def main() -> None:
     off = Engine(model=args.model, num_threads=args.threads, enable_prefix_cache=False)
     on._off = off
     conv = conversation_turn3(on, args.repeats)
-    print(f"turn 3 TTFT with a {conv['history_tokens']}-token history: cache on {conv['ttft_on_s'] * 1000:.0f} ms, "
-          f"off {conv['ttft_off_s'] * 1000:.0f} ms, ratio {conv['ratio']:.3f} (target <= 0.2)")
+    print(
+        f"turn 3 TTFT with a {conv['history_tokens']}-token history: cache on {conv['ttft_on_s'] * 1000:.0f} ms, "
+        f"off {conv['ttft_off_s'] * 1000:.0f} ms, ratio {conv['ratio']:.3f} (target <= 0.2)"
+    )
     shared = shared_instruction(on, off, args.n)
-    print(f"{args.n} requests sharing a {shared['instruction_tokens']}-token instruction: prefill tokens computed "
-          f"on {shared['computed_on']} vs off {shared['computed_off']} (ratio {shared['prefill_ratio']:.3f}); "
-          f"wall on {shared['wall_on_s']:.1f} s vs off {shared['wall_off_s']:.1f} s (ratio {shared['wall_ratio']:.2f})")
+    print(
+        f"{args.n} requests sharing a {shared['instruction_tokens']}-token instruction: prefill tokens computed "
+        f"on {shared['computed_on']} vs off {shared['computed_off']} (ratio {shared['prefill_ratio']:.3f}); "
+        f"wall on {shared['wall_on_s']:.1f} s vs off {shared['wall_off_s']:.1f} s (ratio {shared['wall_ratio']:.2f})"
+    )
     print("machine:", machine())
     print("saved", save("prefix_cache", {"args": vars(args), "conversation": conv, "shared_instruction": shared}))
 

@@ -12,6 +12,7 @@ threads: the same cores). GPU: N = the number of GPUs, one per replica.
 
     python benchmarks/ray_scaling.py [--n 72] [--repeats 3] [--max-tokens 96] [--batch-size B]
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import engine_parser, median, save  # noqa: E402
-
 import torch  # noqa: E402
+from common import engine_parser, median, save  # noqa: E402
 
 from constrained_serve.cli import main  # noqa: E402
 
@@ -75,20 +75,31 @@ def main_bench() -> None:
             out = tmp / f"{name}-{k}.jsonl"
             secs, ok = run(argv, out)
             runs[name].append((secs, ok))
-            print(f"  round {k + 1}: {name:<8} {secs:6.1f} s  {args.n / secs:6.2f} rows/s  ok {ok}/{args.n}",
-                  flush=True)
+            print(
+                f"  round {k + 1}: {name:<8} {secs:6.1f} s  {args.n / secs:6.2f} rows/s  ok {ok}/{args.n}", flush=True
+            )
     ray.shutdown()
     rows_s = {name: median([args.n / s for s, _ in rs]) for name, rs in runs.items()}
     per_round = lambda a, b: median([(args.n / x[0]) / (args.n / y[0]) for x, y in zip(runs[a], runs[b])])  # noqa: E731
     scaling = per_round(f"ray_{wide}", "ray_1")
     overhead = 1.0 - per_round("ray_1", "local")
-    print(f"rows/s (median): " + ", ".join(f"{n} {v:.2f}" for n, v in rows_s.items()))
-    print(f"scaling ray_{wide} / ray_1: {scaling:.2f}x" + ("" if gpus else
-          f"  (CPU: {wide} replicas share the same {args.threads} cores, so no scaling is expected)"))
+    print("rows/s (median): " + ", ".join(f"{n} {v:.2f}" for n, v in rows_s.items()))
+    print(
+        f"scaling ray_{wide} / ray_1: {scaling:.2f}x"
+        + ("" if gpus else f"  (CPU: {wide} replicas share the same {args.threads} cores, so no scaling is expected)")
+    )
     print(f"overhead of ray_1 vs local: {overhead * 100:+.1f}% slower (target <= 10%)")
-    path = save("ray_scaling", {"args": vars(args), "rows_per_s": rows_s, "scaling": scaling,
-                                "overhead_vs_local": overhead, "replicas_wide": wide,
-                                "runs": {n: [{"wall_s": s, "ok": ok} for s, ok in rs] for n, rs in runs.items()}})
+    path = save(
+        "ray_scaling",
+        {
+            "args": vars(args),
+            "rows_per_s": rows_s,
+            "scaling": scaling,
+            "overhead_vs_local": overhead,
+            "replicas_wide": wide,
+            "runs": {n: [{"wall_s": s, "ok": ok} for s, ok in rs] for n, rs in runs.items()},
+        },
+    )
     print(f"saved {path}")
 
 

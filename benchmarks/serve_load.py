@@ -6,6 +6,7 @@ within 15%), and that every output was valid and none was lost.
 
     python benchmarks/serve_load.py [--clients 64] [--max-tokens 64] [--repeats 2] [--schema]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import chat_workload, median, save  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["topic", "urgent", "summary"],
-          "properties": {"topic": {"type": "string", "maxLength": 40}, "urgent": {"type": "boolean"},
-                         "summary": {"type": "string", "maxLength": 120}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["topic", "urgent", "summary"],
+    "properties": {
+        "topic": {"type": "string", "maxLength": 40},
+        "urgent": {"type": "boolean"},
+        "summary": {"type": "string", "maxLength": 120},
+    },
+}
 
 
 def free_port() -> int:
@@ -35,8 +43,21 @@ def free_port() -> int:
 
 def start_server(port: int, threads: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "constrained_serve.cli", "serve", "--port", str(port),
-                             "--threads", str(threads), "--max-num-seqs", "64"], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "constrained_serve.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--threads",
+            str(threads),
+            "--max-num-seqs",
+            "64",
+        ],
+        env=env,
+    )
     import httpx
 
     deadline = time.monotonic() + 300
@@ -55,12 +76,21 @@ def start_server(port: int, threads: int) -> subprocess.Popen:
 async def clients(url: str, messages: list, max_tokens: int, schema: bool) -> tuple[list[str], int]:
     import openai
 
-    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}} if schema else {}
+    extra = (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}} if schema else {}
+    )
 
     async def one(c, msgs) -> tuple[str, int]:
         text, tokens = "", 0
-        stream = await c.chat.completions.create(model="m", messages=msgs, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}, **extra)
+        stream = await c.chat.completions.create(
+            model="m",
+            messages=msgs,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            **extra,
+        )
         async for ev in stream:
             if ev.choices:
                 text += ev.choices[0].delta.content or ""
@@ -133,11 +163,26 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
     off, srv = median([x[0] for x in offline]), median([x[0] for x in served])
-    print(f"offline {off:.1f} tok/s, served {srv:.1f} tok/s: ratio {srv / off:.2f} (target >= 0.85); "
-          f"valid {min(x[1] for x in served):.0%}, streams {min(x[2] for x in served)}/{args.clients}, "
-          f"server healthy after: {healthy}")
-    print("saved", save("serve_load", {"args": vars(args), "offline_tok_s": off, "served_tok_s": srv,
-                                       "ratio": srv / off, "healthy": healthy, "offline": offline, "served": served}))
+    print(
+        f"offline {off:.1f} tok/s, served {srv:.1f} tok/s: ratio {srv / off:.2f} (target >= 0.85); "
+        f"valid {min(x[1] for x in served):.0%}, streams {min(x[2] for x in served)}/{args.clients}, "
+        f"server healthy after: {healthy}"
+    )
+    print(
+        "saved",
+        save(
+            "serve_load",
+            {
+                "args": vars(args),
+                "offline_tok_s": off,
+                "served_tok_s": srv,
+                "ratio": srv / off,
+                "healthy": healthy,
+                "offline": offline,
+                "served": served,
+            },
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ the (a)/(b) output-tokens/s ratio that would follow if the prefill-heavy steps r
 
     python benchmarks/step_breakdown.py [--repeats 7] [--threads 2] [--dtype float32|bfloat16]
 """
+
 from __future__ import annotations
 
 import sys
@@ -75,7 +76,7 @@ def _gemms_only():
     dispatch.store_kv = lambda *args: None
     llama.RotaryEmbedding.apply = staticmethod(lambda cos_sin, q, k: (q, k))
     llama.RMSNorm.forward = lambda self, x: x
-    llama.MLP.forward = lambda self, x: self.down_proj(self.gate_up_proj(x)[:, :self.inter])
+    llama.MLP.forward = lambda self, x: self.down_proj(self.gate_up_proj(x)[:, : self.inter])
 
 
 ABLATIONS = {"full": lambda: None, "no_attention": _no_attention, "gemms_only": _gemms_only}
@@ -109,9 +110,14 @@ def split(steps) -> dict[str, float]:
     is_heavy = [i.input_ids.shape[0] - i.meta.query_lens_host.count(1) > PREFILL_HEAVY for i, _ in steps]
     heavy = [x for x, h in zip(steps, is_heavy) if h]
     light = [x for x, h in zip(steps, is_heavy) if not h]
-    return {"steps": len(steps), "prefill_heavy_steps": len(heavy), "prefill_heavy_s": sum(s for _, s in heavy),
-            "prefill_heavy_tokens": sum(int(i.input_ids.shape[0]) for i, _ in heavy),
-            "light_steps": len(light), "light_s": sum(s for _, s in light)}
+    return {
+        "steps": len(steps),
+        "prefill_heavy_steps": len(heavy),
+        "prefill_heavy_s": sum(s for _, s in heavy),
+        "prefill_heavy_tokens": sum(int(i.input_ids.shape[0]) for i, _ in heavy),
+        "light_steps": len(light),
+        "light_s": sum(s for _, s in light),
+    }
 
 
 def main() -> None:
@@ -137,15 +143,19 @@ def main() -> None:
         shares = {"attention": (full - t["no_attention"]) / full, "gemms": t["gemms_only"] / full}
         shares["other"] = 1 - shares["attention"] - shares["gemms"]
         payload["replays"][name] = {"seconds": t, "shares": shares}
-        print(f"{name}: full {full * 1e3:.0f} ms, no attention {t['no_attention'] * 1e3:.0f} ms, "
-              f"GEMMs only {t['gemms_only'] * 1e3:.0f} ms -> attention {shares['attention']:.0%}, "
-              f"GEMMs {shares['gemms']:.0%}, the rest {shares['other']:.0%}")
+        print(
+            f"{name}: full {full * 1e3:.0f} ms, no attention {t['no_attention'] * 1e3:.0f} ms, "
+            f"GEMMs only {t['gemms_only'] * 1e3:.0f} ms -> attention {shares['attention']:.0%}, "
+            f"GEMMs {shares['gemms']:.0%}, the rest {shares['other']:.0%}"
+        )
 
     runs = {"a": (wall_a, tokens_a, split(steps_a)), "b": (wall_b, tokens_b, split(steps_b))}
     for name, (wall, tokens, s) in runs.items():
-        print(f"({name}) {wall:.2f} s, {tokens} output tokens, {tokens / wall:.1f} tok/s; "
-              f"{s['prefill_heavy_steps']} prefill-heavy steps {s['prefill_heavy_s']:.2f} s, "
-              f"{s['light_steps']} light steps {s['light_s']:.2f} s")
+        print(
+            f"({name}) {wall:.2f} s, {tokens} output tokens, {tokens / wall:.1f} tok/s; "
+            f"{s['prefill_heavy_steps']} prefill-heavy steps {s['prefill_heavy_s']:.2f} s, "
+            f"{s['light_steps']} light steps {s['light_s']:.2f} s"
+        )
     ratio = (tokens_a / wall_a) / (tokens_b / wall_b)
     # Bound: every prefill-heavy step of both runs at the GEMM-only fraction of the 512-token replay.
     cut = 1 - payload["replays"]["prefill_heavy_512"]["shares"]["gemms"]
@@ -153,10 +163,16 @@ def main() -> None:
     bound_b = wall_b - cut * runs["b"][2]["prefill_heavy_s"]
     bound = (tokens_a / bound_a) / (tokens_b / bound_b)
     # One run of each is noisy (+-20% on a shared VM); the multiplier is the steadier figure.
-    print(f"(a)/(b) tokens/s, this one run: {ratio:.2f}x; with prefill-heavy steps at GEMM-only speed: "
-          f"{bound:.2f}x, i.e. {bound / ratio:.2f} times the ratio")
-    payload.update(runs={k: {"wall_s": w, "output_tokens": n, **s} for k, (w, n, s) in runs.items()},
-                   ratio_a_over_b=ratio, ratio_bound_gemm_only_prefill=bound, bound_multiplier=bound / ratio)
+    print(
+        f"(a)/(b) tokens/s, this one run: {ratio:.2f}x; with prefill-heavy steps at GEMM-only speed: "
+        f"{bound:.2f}x, i.e. {bound / ratio:.2f} times the ratio"
+    )
+    payload.update(
+        runs={k: {"wall_s": w, "output_tokens": n, **s} for k, (w, n, s) in runs.items()},
+        ratio_a_over_b=ratio,
+        ratio_bound_gemm_only_prefill=bound,
+        bound_multiplier=bound / ratio,
+    )
     print("saved", save(f"step-breakdown-{args.dtype}", payload))
 
 

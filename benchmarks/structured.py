@@ -20,6 +20,7 @@ the GEMMs on CPUs with avx512_bf16 or AMX, for HF and Outlines too).
     python benchmarks/structured.py [--repeats 2] [--threads 2] [--dtype float32|bfloat16]
                                     [--skip-hf] [--skip-outlines]
 """
+
 from __future__ import annotations
 
 import json
@@ -54,17 +55,58 @@ INSTRUCTION = (
     "(1 to 5, how satisfied the customer is), issues (up to three short problems mentioned) and urgent "
     "(true if the customer needs help right away). Answer with JSON only."
 )
-NAMES = ["Anna Keller", "Bob Martin", "Chen Wei", "Dana Ivanova", "Emil Novak", "Fatima Zahra", "Gus Olsen",
-         "Hana Sato", "Ivan Petrov", "Julia Costa", "Kofi Mensah", "Laura Rossi"]
-PRODUCTS = ["espresso machine", "running shoes", "laptop stand", "wireless earbuds", "office chair",
-            "electric kettle", "smart watch", "backpack", "desk lamp", "blender", "e-reader", "router"]
-PROBLEMS = ["arrived late", "the box was damaged", "stopped working after a week", "is louder than advertised",
-            "the battery drains fast", "a part was missing", "the colour is wrong", "the manual is unclear",
-            "I was charged twice", "support never answered", "the app keeps crashing", "it overheats"]
-FILLER = ["I have been a loyal customer for years.", "My neighbour recommended your shop.",
-          "The delivery driver was friendly.", "I compared several brands before buying.",
-          "The price seemed fair at the time.", "I use it every morning before work.",
-          "My kids love it too.", "I read the reviews carefully before ordering."]
+NAMES = [
+    "Anna Keller",
+    "Bob Martin",
+    "Chen Wei",
+    "Dana Ivanova",
+    "Emil Novak",
+    "Fatima Zahra",
+    "Gus Olsen",
+    "Hana Sato",
+    "Ivan Petrov",
+    "Julia Costa",
+    "Kofi Mensah",
+    "Laura Rossi",
+]
+PRODUCTS = [
+    "espresso machine",
+    "running shoes",
+    "laptop stand",
+    "wireless earbuds",
+    "office chair",
+    "electric kettle",
+    "smart watch",
+    "backpack",
+    "desk lamp",
+    "blender",
+    "e-reader",
+    "router",
+]
+PROBLEMS = [
+    "arrived late",
+    "the box was damaged",
+    "stopped working after a week",
+    "is louder than advertised",
+    "the battery drains fast",
+    "a part was missing",
+    "the colour is wrong",
+    "the manual is unclear",
+    "I was charged twice",
+    "support never answered",
+    "the app keeps crashing",
+    "it overheats",
+]
+FILLER = [
+    "I have been a loyal customer for years.",
+    "My neighbour recommended your shop.",
+    "The delivery driver was friendly.",
+    "I compared several brands before buying.",
+    "The price seemed fair at the time.",
+    "I use it every morning before work.",
+    "My kids love it too.",
+    "I read the reviews carefully before ordering.",
+]
 
 
 def make_text(rng: random.Random) -> str:
@@ -77,8 +119,10 @@ def make_text(rng: random.Random) -> str:
     elif kind == "ticket":
         parts.append(f"Support ticket from {name}. Subject: problem with my {product}.")
     else:
-        parts.append(f"Invoice dispute. Customer: {name}. Item: {product}, order {rng.randint(10000, 99999)}, "
-                     f"amount {rng.randint(20, 900)}.{rng.randint(0, 99):02d} EUR.")
+        parts.append(
+            f"Invoice dispute. Customer: {name}. Item: {product}, order {rng.randint(10000, 99999)}, "
+            f"amount {rng.randint(20, 900)}.{rng.randint(0, 99):02d} EUR."
+        )
     parts += [f"Unfortunately it {p}." for p in probs]
     while len(" ".join(parts).split()) < rng.randint(40, 120):
         parts.append(rng.choice(FILLER))
@@ -89,8 +133,7 @@ def make_text(rng: random.Random) -> str:
 
 def workload(n: int, seed: int = 0) -> list[list[dict]]:
     rng = random.Random(seed)
-    return [[{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": make_text(rng)}]
-            for _ in range(n)]
+    return [[{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": make_text(rng)}] for _ in range(n)]
 
 
 def valid(text: str) -> bool:
@@ -103,6 +146,7 @@ def valid(text: str) -> bool:
 
 def run_ours(engine: Engine, convs, params, constrained: bool, lengths: list[int] | None = None):
     """lengths: filled with each request's completion tokens (for (b'))."""
+
     def go():
         if engine.kv.radix is not None:
             engine.kv.radix.evict(engine.pool.num_pages)  # cold cache: the shared prefix is computed once per run
@@ -111,6 +155,7 @@ def run_ours(engine: Engine, convs, params, constrained: bool, lengths: list[int
         if lengths is not None:
             lengths[:] = [r.usage.completion_tokens for r in rs]
         return sum(r.usage.completion_tokens for r in rs), sum(valid(r.text) for r in rs) / len(rs)
+
     return go
 
 
@@ -119,7 +164,7 @@ def hf_batches(tok, convs, batch):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
-    return [texts[i:i + batch] for i in range(0, len(texts), batch)]
+    return [texts[i : i + batch] for i in range(0, len(texts), batch)]
 
 
 def count_tokens(gen_ids, eos: int) -> int:
@@ -141,14 +186,20 @@ def run_hf_xgrammar(model_dir, tok, convs, max_tokens, batch, dtype):
             enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             proc = xgr.contrib.hf.LogitsProcessor(compiled)
             with torch.inference_mode():
-                out = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=False, logits_processor=[proc],
-                                  pad_token_id=tok.pad_token_id)
-            gen = out[:, enc["input_ids"].shape[1]:]
+                out = hf.generate(
+                    **enc,
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    logits_processor=[proc],
+                    pad_token_id=tok.pad_token_id,
+                )
+            gen = out[:, enc["input_ids"].shape[1] :]
             n_tok += count_tokens(gen, tok.eos_token_id)
             for row in tok.batch_decode(gen, skip_special_tokens=True):
                 n_valid += valid(row)
                 n += 1
         return n_tok, n_valid / n
+
     return go
 
 
@@ -170,6 +221,7 @@ def run_outlines(model_dir, tok, convs, max_tokens, batch, dtype):
                 n_valid += valid(o)
                 n += 1
         return n_tok, n_valid / n
+
     return go
 
 
@@ -190,26 +242,37 @@ def main() -> None:
         "(a) ours, constrained": (run_ours(engine, convs, greedy, True, lengths), True),
         "(b) ours, unconstrained": (run_ours(engine, convs, greedy, False), True),
         "(b') ours, unconstrained, (a)'s lengths": (
-            lambda: run_ours(engine, convs, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths],
-                             False)(), True),
+            lambda: run_ours(engine, convs, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths], False)(),
+            True,
+        ),
     }
     if not args.skip_hf:
-        systems["(c) HF generate + xgrammar"] = (run_hf_xgrammar(
-            engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch, dtype), False)
+        systems["(c) HF generate + xgrammar"] = (
+            run_hf_xgrammar(engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch, dtype),
+            False,
+        )
     if not args.skip_outlines:
         try:
-            systems["(d) Outlines (transformers)"] = (run_outlines(
-                engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch, dtype), False)
+            systems["(d) Outlines (transformers)"] = (
+                run_outlines(engine.model_path, engine.tokenizer, convs, args.max_tokens, args.batch, dtype),
+                False,
+            )
         except ImportError as e:
             print(f"(d) Outlines not installed ({e}); `pip install outlines` to include it")
     measured = measure_rounds(systems, args.repeats)
-    keys = {"(a) ours, constrained": "ours_constrained", "(b) ours, unconstrained": "ours_unconstrained",
-            "(b') ours, unconstrained, (a)'s lengths": "ours_unconstrained_same_lengths",
-            "(c) HF generate + xgrammar": "hf_xgrammar", "(d) Outlines (transformers)": "outlines"}
+    keys = {
+        "(a) ours, constrained": "ours_constrained",
+        "(b) ours, unconstrained": "ours_unconstrained",
+        "(b') ours, unconstrained, (a)'s lengths": "ours_unconstrained_same_lengths",
+        "(c) HF generate + xgrammar": "hf_xgrammar",
+        "(d) Outlines (transformers)": "outlines",
+    }
     for name, m in measured.items():
         res[keys[name]] = m
-        print(f"{name:<40} wall {m['wall_s']:7.1f} s   output tokens/s {m['tokens_per_s']:7.1f}   "
-              f"valid {m['valid_rate'] * 100:5.1f}%   (per round: {[round(t, 1) for t in m['runs']]})")
+        print(
+            f"{name:<40} wall {m['wall_s']:7.1f} s   output tokens/s {m['tokens_per_s']:7.1f}   "
+            f"valid {m['valid_rate'] * 100:5.1f}%   (per round: {[round(t, 1) for t in m['runs']]})"
+        )
     a, b, b2 = res["ours_constrained"], res["ours_unconstrained"], res["ours_unconstrained_same_lengths"]
 
     res["structure_cost_ratio"] = per_round(a["tokens_per_s_runs"], b["tokens_per_s_runs"])
@@ -220,8 +283,10 @@ def main() -> None:
     if baselines:
         fastest = [min(ts) for ts in zip(*baselines)]
         res["speedup_vs_fastest_baseline"] = per_round(fastest, a["runs"])
-        print(f"wall-time speed-up of (a) over the faster of (c)/(d): {res['speedup_vs_fastest_baseline']:.2f}x "
-              f"(target >= 3; median of per-round ratios)")
+        print(
+            f"wall-time speed-up of (a) over the faster of (c)/(d): {res['speedup_vs_fastest_baseline']:.2f}x "
+            f"(target >= 3; median of per-round ratios)"
+        )
     print("machine:", machine())
     print("saved", save("structured" if args.dtype == "float32" else f"structured-{args.dtype}", res))
 

@@ -7,6 +7,7 @@ output tokens/s of each (medians over --repeats rounds) and the median per-round
 
     python benchmarks/throughput.py [--repeats 3] [--n 64] [--max-tokens 96] [--threads 2]
 """
+
 from __future__ import annotations
 
 import sys
@@ -33,10 +34,12 @@ def run_hf(model_dir, tokenizer, convs, max_tokens, batch_size):
     def go():
         n_out = 0
         for i in range(0, len(texts), batch_size):
-            enc = tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
             with torch.inference_mode():
-                out = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            gen = out[:, enc["input_ids"].shape[1]:]
+                out = hf.generate(
+                    **enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                )
+            gen = out[:, enc["input_ids"].shape[1] :]
             for row in gen.tolist():
                 n_out += next((k + 1 for k, t in enumerate(row) if t == eos), len(row))
         return n_out, None

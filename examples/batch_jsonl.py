@@ -6,6 +6,7 @@ in input order. For big, resumable jobs use the CLI instead:
 
     python examples/batch_jsonl.py [--max-tokens N] [--limit N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def main() -> None:
 
         kinds: collections.Counter[str] = collections.Counter()
         valid = 0
-        results = engine.generate_iter(conversations(), SamplingParams(max_tokens=args.max_tokens),
-                                       chat=True, schema=schema, progress=True)
+        results = engine.generate_iter(
+            conversations(), SamplingParams(max_tokens=args.max_tokens), chat=True, schema=schema, progress=True
+        )
         for i, r in enumerate(results):
             if r.json is not None:
                 valid += 1

@@ -4,6 +4,7 @@ exact token ids of the history, so the prefix cache serves everything said befor
 
     python examples/conversation.py [--max-tokens N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,11 @@ def main() -> None:
             r = conv.send(message, params)
             u = r.usage
             print(f"user: {message}\nassistant: {r.text.strip()}")
-            print(f"  [prompt {u.prompt_tokens} tokens, {u.cached_tokens} from cache, {u.completion_tokens} generated]\n")
+            print(
+                f"  [prompt {u.prompt_tokens} tokens, {u.cached_tokens} from cache, {u.completion_tokens} generated]\n"
+            )
         print(f"{len(conv.history)} messages in the history")
+
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ many rows the model labelled right: kind and sentiment equal, rating within one.
 
     python examples/demo.py [--max-tokens N] [--limit N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,13 +44,27 @@ def main() -> int:
     if os.path.exists(out):
         os.remove(out)  # a demo starts fresh; a real job would resume instead
 
-    print(f"constrained-serve extract {os.path.relpath(source)} --schema examples/extract.schema.json "
-          f'--instructions "$(cat examples/demo_instructions.txt)" -o {os.path.relpath(out)}')
+    print(
+        f"constrained-serve extract {os.path.relpath(source)} --schema examples/extract.schema.json "
+        f'--instructions "$(cat examples/demo_instructions.txt)" -o {os.path.relpath(out)}'
+    )
     sys.stdout.flush()
     with open(os.path.join(HERE, "demo_instructions.txt")) as f:
         instructions = f.read()
-    status = cli(["extract", source, "--schema", os.path.join(HERE, "extract.schema.json"), "-o", out,
-                  "--instructions", instructions, "--max-tokens", str(args.max_tokens)])
+    status = cli(
+        [
+            "extract",
+            source,
+            "--schema",
+            os.path.join(HERE, "extract.schema.json"),
+            "-o",
+            out,
+            "--instructions",
+            instructions,
+            "--max-tokens",
+            str(args.max_tokens),
+        ]
+    )
     if status != 0:
         return status
 
@@ -81,8 +96,11 @@ def accuracy(rows: list[dict], expected: dict) -> str:
         if not want:
             continue
         n += 1
-        ok = {"kind": got.get("kind") == want["kind"], "sentiment": got.get("sentiment") == want["sentiment"],
-              "rating": isinstance(got.get("rating"), int) and abs(got["rating"] - want["rating"]) <= 1}
+        ok = {
+            "kind": got.get("kind") == want["kind"],
+            "sentiment": got.get("sentiment") == want["sentiment"],
+            "rating": isinstance(got.get("rating"), int) and abs(got["rating"] - want["rating"]) <= 1,
+        }
         for k, v in ok.items():
             fields[k] += v
         right += all(ok.values())

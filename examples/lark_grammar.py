@@ -3,6 +3,7 @@
 
     python examples/lark_grammar.py [--max-tokens N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,9 @@ class Evaluate(lark.Transformer):
     def _fold(c):
         value = c[0]
         for op, rhs in zip(c[1::2], c[2::2]):
-            value = {"+": value + rhs, "-": value - rhs, "*": value * rhs, "/": value / rhs if rhs else float("nan")}[op]
+            value = {"+": value + rhs, "-": value - rhs, "*": value * rhs, "/": value / rhs if rhs else float("nan")}[
+                op
+            ]
         return value
 
 

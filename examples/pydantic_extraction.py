@@ -1,7 +1,8 @@
 """Pydantic extraction: every output parses into an `Invoice`, guaranteed by the grammar.
 
-    python examples/pydantic_extraction.py [--max-tokens N]
+python examples/pydantic_extraction.py [--max-tokens N]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,7 +1,8 @@
 """Regex-constrained generation: normalize messy dates to ISO 8601 and phone numbers to E.164.
 
-    python examples/regex_patterns.py [--max-tokens N]
+python examples/regex_patterns.py [--max-tokens N]
 """
+
 from __future__ import annotations
 
 import argparse

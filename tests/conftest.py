@@ -1,5 +1,6 @@
 """Shared fixtures. TRITON_INTERPRET must be set before anything defines the Triton kernels,
 so the kernel tests run on CPU through the interpreter."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -57,13 +58,27 @@ def _save_tiny(tmp_path_factory, name, config, tokenizer):
 def tiny_llama_dir(tmp_path_factory, default_tokenizer):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=len(default_tokenizer), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 256},
-                      bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=len(default_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return _save_tiny(tmp_path_factory, "tiny_llama", cfg, default_tokenizer)
 
 
@@ -71,9 +86,19 @@ def tiny_llama_dir(tmp_path_factory, default_tokenizer):
 def tiny_qwen3_dir(tmp_path_factory, default_tokenizer):
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(vocab_size=len(default_tokenizer), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg = Qwen3Config(
+        vocab_size=len(default_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return _save_tiny(tmp_path_factory, "tiny_qwen3", cfg, default_tokenizer)
 
 
@@ -107,21 +132,33 @@ def _sentencepiece_model(path, variant: str):
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     else:
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
     spec = json.loads(tok.to_str())  # byte tokens are ordinary pieces in a SentencePiece vocabulary
     for i in range(256):
         spec["model"]["vocab"].setdefault(f"<0x{i:02X}>", len(spec["model"]["vocab"]))
     spec["model"]["byte_fallback"] = True
-    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
-                                 bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    hf.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
-                        " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    hf.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+        " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    )
     hf.save_pretrained(str(path))
-    cfg = LlamaConfig(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=len(hf),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(str(path))
     return path

@@ -1,4 +1,5 @@
 """End to end on the real default model through the public API."""
+
 import json
 import threading
 import time
@@ -12,8 +13,9 @@ from constrained_serve import Engine, SamplingParams
 
 @pytest.mark.slow
 def test_capital_of_france(default_engine):
-    [r] = default_engine.chat([{"role": "user", "content": "What is the capital of France?"}],
-                              SamplingParams(max_tokens=32))
+    [r] = default_engine.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=32)
+    )
     assert "Paris" in r.text
     assert r.finish_reason == "stop"
     assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens == len(r.token_ids)
@@ -138,18 +140,29 @@ def test_calls_from_several_threads_share_one_engine(tiny_engine_factory):
     call gets what it gets alone. Before the core lock, three such threads livelocked."""
     eng = tiny_engine_factory()
     eng.core.check_each_step = True  # page and refcount integrity after every step
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
-              "required": ["n", "ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
     jobs = {
-        "greedy": lambda: [r.token_ids for r in eng.generate([f"p{i}" for i in range(3)],
-                                                             SamplingParams(max_tokens=6, ignore_eos=True))],
-        "seeded": lambda: [r.token_ids for r in eng.generate(["s", "t"], SamplingParams(
-            max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))],
-        "schema": lambda: [(r.finish_reason, r.text) for r in eng.generate(["a", "b"], SamplingParams(max_tokens=40),
-                                                                           schema=schema)],
+        "greedy": lambda: [
+            r.token_ids
+            for r in eng.generate([f"p{i}" for i in range(3)], SamplingParams(max_tokens=6, ignore_eos=True))
+        ],
+        "seeded": lambda: [
+            r.token_ids
+            for r in eng.generate(["s", "t"], SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
+        ],
+        "schema": lambda: [
+            (r.finish_reason, r.text) for r in eng.generate(["a", "b"], SamplingParams(max_tokens=40), schema=schema)
+        ],
         "stream": lambda: "".join(eng.stream("story", SamplingParams(max_tokens=8, ignore_eos=True))),
-        "iter": lambda: [r.index for r in eng.generate_iter((f"q{i}" for i in range(5)),
-                                                           SamplingParams(max_tokens=3), max_in_flight=2)],
+        "iter": lambda: [
+            r.index
+            for r in eng.generate_iter((f"q{i}" for i in range(5)), SamplingParams(max_tokens=3), max_in_flight=2)
+        ],
     }
     alone = {k: f() for k, f in jobs.items()}
     together: dict = {}

@@ -1,4 +1,5 @@
 """AsyncEngine: awaitable generate/chat/stream sharing the engine's batches with sync callers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,9 @@ def test_specs_chat_stream_and_errors(tiny):
         async with AsyncEngine(tiny) as ae:
             rs = await ae.generate(["a", "b"], SamplingParams(max_tokens=6), regex="[0-9]{2,4}")
             assert all(r.error is None and r.text.isdigit() for r in rs), rs
-            [r] = await ae.chat([{"role": "user", "content": "Yes or no?"}], SamplingParams(max_tokens=4),
-                                choices=["yes", "no"])
+            [r] = await ae.chat(
+                [{"role": "user", "content": "Yes or no?"}], SamplingParams(max_tokens=4), choices=["yes", "no"]
+            )
             assert r.text in ("yes", "no")
             text = "".join([d async for d in ae.stream("Once upon a time", P)])
             assert text == tiny.generate(["Once upon a time"], P)[0].text

@@ -1,4 +1,5 @@
 """Per-field confidence (checked against HF log-probs) and partial objects while streaming."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,16 +22,23 @@ class Person(BaseModel):
     city: Literal["Paris", "Rome", "Oslo"]
 
 
-BOUNDED = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
-           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
-                          "tag": {"enum": ["red", "green"]}}}
+BOUNDED = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["ok", "n", "tag"],
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tag": {"enum": ["red", "green"]},
+    },
+}
 TEXT = '{"name":"Zoë \\"Z\\"","age":31,"tags":["a",{"b":[1,2.5e3,null]}],"ok":false,"x y":{}}'
 
 
 def test_spans_paths_and_completeness_at_every_prefix():
     spans, value, complete = scan(TEXT)
     assert complete and value == json.loads(TEXT)
-    by_path = {s.path: TEXT[s.start:s.end] for s in spans}
+    by_path = {s.path: TEXT[s.start : s.end] for s in spans}
     assert by_path["$.name"] == '"Zoë \\"Z\\""' and by_path["$.tags[1].b[1]"] == "2.5e3"
     assert by_path['$["x y"]'] == "{}" and by_path["$"] == TEXT
     for k in range(len(TEXT)):
@@ -55,15 +63,18 @@ def test_field_confidence_matches_hf_logprobs(default_engine):
     prompt = default_engine.encode_chat(msgs)
     hf = AutoModelForCausalLM.from_pretrained(str(default_engine.model_path), dtype=torch.float32)
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + r.token_ids])).logits[0, len(prompt) - 1:-1]
+        logits = hf(torch.tensor([prompt + r.token_ids])).logits[0, len(prompt) - 1 : -1]
     lp = torch.log_softmax(logits.float(), dim=-1)
     hf_token = [float(lp[i, t]) for i, t in enumerate(r.token_ids)]
     from constrained_serve.confidence import token_offsets
 
     offsets = token_offsets(default_engine.tokenizer, prompt[-4:], r.token_ids)
     for span in scan(r.text)[0]:
-        sampled = [hf_token[i] for i, (a, b) in enumerate(offsets)
-                   if a < span.end and b > span.start and r.logprobs[i] is not None]
+        sampled = [
+            hf_token[i]
+            for i, (a, b) in enumerate(offsets)
+            if a < span.end and b > span.start and r.logprobs[i] is not None
+        ]
         want = math.exp(sum(sampled))
         assert math.isclose(r.field_confidence[span.path], want, rel_tol=2e-3), (span.path, want)
     assert r.usage.forced_tokens > 0  # forced tokens (keys, punctuation) counted as certain
@@ -97,7 +108,7 @@ def test_partial_pydantic_objects_on_the_default_model(default_engine):
     sets = [o.model_fields_set for o in objs[:-1]]
     assert sets[0] == {"name"} and all(a < b for a, b in zip(sets, sets[1:]))
     with pytest.raises(AttributeError):
-        objs[0].age  # not written yet: absent
+        _ = objs[0].age  # not written yet: absent
 
 
 def test_cli_confidence_column_and_display(tiny_engine_factory, tmp_path, capsys):
@@ -110,8 +121,13 @@ def test_cli_confidence_column_and_display(tiny_engine_factory, tmp_path, capsys
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "text": f"row {i}"}) + "\n" for i in range(3)))
     out = tmp_path / "out.jsonl"
-    assert main(["extract", str(src), "-o", str(out), "--schema", str(schema), "--confidence", "--max-tokens", "40"],
-                engine=eng) == 0
+    assert (
+        main(
+            ["extract", str(src), "-o", str(out), "--schema", str(schema), "--confidence", "--max-tokens", "40"],
+            engine=eng,
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     for row in rows:
         if "output" in row:

@@ -1,5 +1,6 @@
 """Multi-turn conversations: turns append to the cached KV, histories are pinned while
 open (within their share of the pool) and given way when a request could not run otherwise."""
+
 import pytest
 
 from constrained_serve import Engine, SamplingParams
@@ -41,7 +42,7 @@ def test_many_conversations_in_one_batch(tiny_engine_factory):
     fresh = tiny_engine_factory(enable_prefix_cache=False)
     for c in convs:
         last_prompt = c.token_ids[: len(c.token_ids) - 6]
-        assert fresh.generate([last_prompt], p)[0].token_ids == c.token_ids[len(last_prompt):-1]
+        assert fresh.generate([last_prompt], p)[0].token_ids == c.token_ids[len(last_prompt) : -1]
         c.close()
     eng.core.check_integrity()
 
@@ -72,8 +73,10 @@ def test_conversation_history_is_the_text_a_stop_left(tiny_engine_factory):
     word = next(t for t in free.token_ids[3:] if len(tok.decode([t]).strip()) >= 3)
     stop_str = tok.decode([word]).strip()[1:3]  # ends inside that token
     end = tok.decode([tok.eos_token_id])
-    for params in (SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_str]),
-                   SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[word])):
+    for params in (
+        SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_str]),
+        SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[word]),
+    ):
         with eng.conversation() as conv:
             r = conv.send("hi", params)
             assert r.stop_reason is not None and conv.history[-1]["content"] == r.text
@@ -91,7 +94,7 @@ def test_conversation_with_a_sentencepiece_tokenizer(sentencepiece_model_dirs, v
     tok, eos = eng.tokenizer, eng.tokenizer.eos_token_id
 
     def after_last_eos(ids):
-        return ids[len(ids) - ids[::-1].index(eos):]
+        return ids[len(ids) - ids[::-1].index(eos) :]
 
     with eng.conversation() as conv:
         conv.send("say more", SamplingParams(max_tokens=4, ignore_eos=True))  # computed and cached
@@ -99,14 +102,15 @@ def test_conversation_with_a_sentencepiece_tokenizer(sentencepiece_model_dirs, v
         prompt = conv.next_turn_ids("the cat")
         r = conv.send("the cat", SamplingParams(max_tokens=4, stop=["rld"]), choices=["hello world"])
         assert r.text == "hello wo" and r.stop_reason == "rld"
-        said = conv.token_ids[len(prompt):-1]
+        said = conv.token_ids[len(prompt) : -1]
         assert conv.token_ids[-1] == eos
         assert tok.decode(prompt[-4:] + said) == tok.decode(prompt[-4:]) + "hello wo"
         new = conv.next_turn_ids("a dog")
-        full = tok(eng.render_chat(conv.history + [{"role": "user", "content": "a dog"}]),
-                   add_special_tokens=False)["input_ids"]
-        assert new[:len(conv.token_ids)] == conv.token_ids
-        assert new[len(conv.token_ids):] == after_last_eos(full)
+        full = tok(eng.render_chat(conv.history + [{"role": "user", "content": "a dog"}]), add_special_tokens=False)[
+            "input_ids"
+        ]
+        assert new[: len(conv.token_ids)] == conv.token_ids
+        assert new[len(conv.token_ids) :] == after_last_eos(full)
         r3 = conv.send("a dog", SamplingParams(max_tokens=3, ignore_eos=True))
         assert r3.error is None and r3.usage.cached_tokens > 0
 
@@ -120,8 +124,9 @@ def test_a_second_turn_in_flight_is_refused(tiny_engine_factory):
     eng = tiny_engine_factory()
     conv = eng.conversation()
     done = []
-    t = threading.Thread(target=lambda: done.append(conv.send("first", SamplingParams(max_tokens=200,
-                                                                                      ignore_eos=True))))
+    t = threading.Thread(
+        target=lambda: done.append(conv.send("first", SamplingParams(max_tokens=200, ignore_eos=True)))
+    )
     t.start()
     while not eng.core.has_work() and t.is_alive():  # the first turn is running
         time.sleep(0.001)

@@ -1,4 +1,5 @@
 """Incremental detokenization is exact for multi-byte characters."""
+
 from constrained_serve.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Grüße aus Köln — 東京タワー 🚀🎉 naïve café", "emoji: 👩‍👩‍👧 done", "  leading spaces\n\ttabs"]

@@ -1,5 +1,6 @@
 """The engine's step loop: continuous batching, chunked prefill and preemption never change
 greedy outputs; decodes are never stalled by a long prefill; prompts too long are refused."""
+
 import pytest
 
 from constrained_serve import Engine, SamplingParams
@@ -45,9 +46,15 @@ def test_greedy_identical_across_batching_tiny(tiny_engine_factory):
 def test_constrained_outputs_survive_preemption(tiny_engine_factory):
     """Preempted constrained requests are recomputed from their tokens; the grammar state
     (including fast-forwarded tokens) carries over, so the outputs are the same as alone."""
-    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["ab", "cd", "ef"]},
-                                                        "maxItems": 6}, "ok": {"type": "boolean"}},
-              "required": ["tags", "ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["ab", "cd", "ef"]}, "maxItems": 6},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["tags", "ok"],
+        "additionalProperties": False,
+    }
     params = SamplingParams(max_tokens=40)
 
     def run(eng, prompts):

@@ -1,6 +1,7 @@
 """The engine with grammars that run away, fail or break: the bad request fails alone, the
 rest of the batch finishes, Ctrl-C works, and the pool stays consistent after every step.
 (The grammar-level mechanics are in tests/grammar/test_isolation.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,15 @@ from constrained_serve.grammar.host import FaultPlan
 # Compiles; whichever token comes first, llguidance 1.9.1 then spins (see test_isolation.py).
 HANG_AFTER_FIRST = 'start: c y\nc: "q" | "x"\ny: "{" A B "}"\nA: /a+/\nB: /a/\n'
 HANG_AFTER_X = 'start: "q" | "x" y\ny: "{" A B "}"\nA: /a+/\nB: /a/\n'
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.timeout(120)
@@ -30,8 +37,11 @@ def test_runaway_grammar_fails_alone_and_the_batch_finishes(tiny_engine_factory)
     eng.core.check_each_step = True
     p = SamplingParams(max_tokens=24)
     prompts = ["Write letters: ", "A person: ", "Digits: ", "Free text: ", "Write letters again: "]
-    grammar_args = dict(grammar=[HANG_AFTER_FIRST, None, None, None, HANG_AFTER_FIRST],
-                        schema=[None, PERSON, None, None, None], regex=[None, None, "[0-9]{3,6}", None, None])
+    grammar_args = dict(
+        grammar=[HANG_AFTER_FIRST, None, None, None, HANG_AFTER_FIRST],
+        schema=[None, PERSON, None, None, None],
+        regex=[None, None, "[0-9]{3,6}", None, None],
+    )
     t0 = time.monotonic()
     rs = eng.generate(prompts, p, **grammar_args)
     elapsed = time.monotonic() - t0
@@ -47,8 +57,9 @@ def test_runaway_grammar_fails_alone_and_the_batch_finishes(tiny_engine_factory)
     assert rs[2].error is None and rs[2].text.isdigit() and 3 <= len(rs[2].text) <= 6, rs[2]
     assert rs[3].error is None and rs[3].usage.completion_tokens > 0
     # The engine goes on as before: same grammar again fails again, quickly; others are fine.
-    again = eng.generate(["Digits: ", "Write letters: "], p, regex=["[0-9]{3,6}", None],
-                         grammar=[None, HANG_AFTER_FIRST])
+    again = eng.generate(
+        ["Digits: ", "Write letters: "], p, regex=["[0-9]{3,6}", None], grammar=[None, HANG_AFTER_FIRST]
+    )
     assert again[0].text == rs[2].text and again[1].error_type == "GrammarError"
     eng.core.check_integrity()
 
@@ -70,8 +81,9 @@ def test_per_request_deadlines(tiny_engine_factory):
 
     t0 = time.monotonic()
     with pytest.raises(GrammarError, match="took longer than 0.5 s"):
-        eng.generate(["x"], SamplingParams(max_tokens=4, compile_timeout_s=0.5),
-                     grammar='start: A B\nA: /a+/\nB: /a/\n')
+        eng.generate(
+            ["x"], SamplingParams(max_tokens=4, compile_timeout_s=0.5), grammar="start: A B\nA: /a+/\nB: /a/\n"
+        )
     assert time.monotonic() - t0 < 10
 
 
@@ -88,9 +100,11 @@ def test_ctrl_c_during_a_runaway_mask(tiny_engine_factory):
         t0 = time.monotonic()
         try:
             with pytest.raises(KeyboardInterrupt):
-                eng.generate(["Write letters: ", "Free text: "], SamplingParams(max_tokens=2000, ignore_eos=True,
-                                                                                 mask_timeout_s=deadline),
-                             grammar=[HANG_AFTER_FIRST, None])
+                eng.generate(
+                    ["Write letters: ", "Free text: "],
+                    SamplingParams(max_tokens=2000, ignore_eos=True, mask_timeout_s=deadline),
+                    grammar=[HANG_AFTER_FIRST, None],
+                )
         finally:
             for t in timers:
                 t.cancel()
@@ -111,8 +125,12 @@ def test_fault_injection_over_200_requests(tiny_llama_dir, monkeypatch):
     eng = Engine(model=str(tiny_llama_dir), max_num_seqs=32, grammar_mask_timeout_s=0.3)
     eng.core.check_each_step = True
     rng = random.Random(0)
-    specs = [dict(schema=PERSON), dict(regex="[a-z]{2,8}-[0-9]{2}"), dict(choices=["alpha", "beta", "gamma"]),
-             dict(grammar='start: NUM ("+" NUM)*\nNUM: /[0-9]{1,3}/')]
+    specs = [
+        dict(schema=PERSON),
+        dict(regex="[a-z]{2,8}-[0-9]{2}"),
+        dict(choices=["alpha", "beta", "gamma"]),
+        dict(grammar='start: NUM ("+" NUM)*\nNUM: /[0-9]{1,3}/'),
+    ]
     prompts, per = [], {k: [] for k in ("schema", "regex", "choices", "grammar")}
     for i in range(200):
         s = rng.choice(specs)
@@ -158,13 +176,17 @@ def test_fault_injection_over_200_requests(tiny_llama_dir, monkeypatch):
 def test_the_issue_example_on_the_default_model(default_engine):
     """#21's report: this call never returned, held the GIL and grew ~10 MB/s."""
     t0 = time.monotonic()
-    rs = default_engine.generate(["Write letters: ", "Write letters: x", "Give a person as JSON: "],
-                                 SamplingParams(max_tokens=32), grammar=[HANG_AFTER_X, HANG_AFTER_X, None],
-                                 schema=[None, None, PERSON])
+    rs = default_engine.generate(
+        ["Write letters: ", "Write letters: x", "Give a person as JSON: "],
+        SamplingParams(max_tokens=32),
+        grammar=[HANG_AFTER_X, HANG_AFTER_X, None],
+        schema=[None, None, PERSON],
+    )
     assert time.monotonic() - t0 < 90
     for r in rs[:2]:
         assert (r.finish_reason == "stop" and r.text == "q") or (
-            r.error_type == "GrammarError" and "deadline" in r.error), r
+            r.error_type == "GrammarError" and "deadline" in r.error
+        ), r
     assert any(r.error_type == "GrammarError" for r in rs[:2])  # the model writes "x" at least once
     if rs[2].finish_reason == "stop":
         jsonschema.validate(rs[2].json, PERSON)

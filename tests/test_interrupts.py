@@ -1,5 +1,6 @@
 """Interrupts and interleaved callers: Ctrl-C in a step, an open stream finished by another
 call, generators finalised by the garbage collector mid-step, dropped conversations."""
+
 import gc
 import os
 import signal

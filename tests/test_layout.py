@@ -1,5 +1,6 @@
 """The package's shape: no circles among its modules' top-level imports (the scheduler,
 runner and kernels share their types through batch.py, not through each other)."""
+
 from __future__ import annotations
 
 import ast
@@ -41,18 +42,22 @@ def _top_level_imports(path: Path, name: str) -> set[str]:
 
 # Type-only back-references from a handle to the owner that made it: the handle's methods
 # call back into its owner, so the two are one unit split over two files.
-OWNER_BACK_REFERENCES = {("constrained_serve.grammar.matchers", "constrained_serve.grammar.manager"),
-                         ("constrained_serve.conversation", "constrained_serve.api")}
+OWNER_BACK_REFERENCES = {
+    ("constrained_serve.grammar.matchers", "constrained_serve.grammar.manager"),
+    ("constrained_serve.conversation", "constrained_serve.api"),
+}
 
 
 def test_no_import_cycles_between_modules():
     files = {_module_name(p): p for p in ROOT.rglob("*.py")}
-    graph = {name: {m for m in _top_level_imports(path, name) if m in files and m != name}
-             for name, path in files.items()}
+    graph = {
+        name: {m for m in _top_level_imports(path, name) if m in files and m != name} for name, path in files.items()
+    }
     # A package's __init__ importing its own modules is how packages work, not a circle.
     for name in graph:
-        graph[name] = {m for m in graph[name]
-                       if not m.startswith(name + ".") and (name, m) not in OWNER_BACK_REFERENCES}
+        graph[name] = {
+            m for m in graph[name] if not m.startswith(name + ".") and (name, m) not in OWNER_BACK_REFERENCES
+        }
     cycles: list[list[str]] = []
     state: dict[str, int] = {}
 
@@ -60,7 +65,7 @@ def test_no_import_cycles_between_modules():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = 2

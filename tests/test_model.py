@@ -1,17 +1,22 @@
 """Our forward equals HF transformers' for the same weights (fp32)."""
+
 import pytest
 import torch
 
 from constrained_serve import Engine
+from constrained_serve.batch import Batch, ScheduledChunk
 from constrained_serve.kernels import long_chunks
 from constrained_serve.models import loader
 from constrained_serve.models.cpu_linear import PackedLinear
 from constrained_serve.params import SamplingParams
 from constrained_serve.request import Request
-from constrained_serve.batch import Batch, ScheduledChunk
 from constrained_serve.runner import ModelRunner
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time, in a land far away, there lived"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:",
+    "Once upon a time, in a land far away, there lived",
+]
 
 
 def _our_logits(folder, tok, prompts, chunk=5, pages_per_request=4):
@@ -142,8 +147,9 @@ def test_packed_linear_bf16_matches_dense():
     x = torch.randn(20, 48, generator=g).bfloat16()
     y = PackedLinear(w, b)(x)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
-                               rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(
+        y.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=5e-2
+    )
 
 
 def test_fp32_on_cpu_is_packed_unless_turned_off(tiny_llama_dir, default_tokenizer, monkeypatch):
@@ -183,9 +189,18 @@ def _save_random(tmp_path, config, tokenizer):
 
 
 def _small(cls, tok, **kw):
-    return cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-               bos_token_id=1, eos_token_id=2, **kw)
+    return cls(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("variant", ["llama_biases_gelu", "qwen2_biases", "qwen3_attention_bias"])
@@ -194,11 +209,13 @@ def test_config_variants_match_hf(variant, tmp_path, default_tokenizer):
     config but not used: the outputs differed from HF's with no error."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    cfg = {"llama_biases_gelu": lambda: _small(LlamaConfig, default_tokenizer, attention_bias=True, mlp_bias=True,
-                                               hidden_act="gelu_pytorch_tanh"),
-           "qwen2_biases": lambda: _small(Qwen2Config, default_tokenizer),
-           "qwen3_attention_bias": lambda: _small(Qwen3Config, default_tokenizer, attention_bias=True, head_dim=32),
-           }[variant]()
+    cfg = {
+        "llama_biases_gelu": lambda: _small(
+            LlamaConfig, default_tokenizer, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh"
+        ),
+        "qwen2_biases": lambda: _small(Qwen2Config, default_tokenizer),
+        "qwen3_attention_bias": lambda: _small(Qwen3Config, default_tokenizer, attention_bias=True, head_dim=32),
+    }[variant]()
     folder = _save_random(tmp_path, cfg, default_tokenizer)
     reqs, prefill, decode = _our_logits(folder, default_tokenizer, PROMPTS[:2])
     for r, pre, dec in zip(reqs, prefill, decode):
@@ -237,10 +254,12 @@ def test_checkpoints_the_model_would_misread_are_refused(tmp_path, tiny_llama_di
     extra = variant("extra", lambda w: w.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}))
     with pytest.raises(ValueError, match="does not use.*o_proj.bias"):
         Engine(model=str(extra))
+
     # Rows moved from gate_proj to up_proj: the fused total is right, each part is not.
     def shift(w):
         g, u = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
         w[g], w[u] = w[g][:100].clone(), torch.cat([w[u], w[g][100:]]).clone()
+
     with pytest.raises(ValueError, match="gate_proj.weight has 100 rows, expected 128"):
         Engine(model=str(variant("shift", shift)))
     with pytest.raises(ValueError, match="is a file"):
@@ -273,5 +292,7 @@ def test_gpu_correctness_script_passes_on_cpu():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import gpu_correctness
 
-    assert gpu_correctness.main(["--config", "tiny-llama", "--device", "cpu", "--num-requests", "6",
-                                 "--output-len", "12"]) == 0
+    assert (
+        gpu_correctness.main(["--config", "tiny-llama", "--device", "cpu", "--num-requests", "6", "--output-len", "12"])
+        == 0
+    )

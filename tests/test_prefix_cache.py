@@ -1,4 +1,5 @@
 """Radix prefix cache in the engine: random workloads, shared prefixes, partial pages."""
+
 import random
 
 import pytest
@@ -21,16 +22,16 @@ def _random_workload(seed, tok, n=14):
 def test_random_workloads_match_cache_off(tiny_engine_factory, seed):
     """Small pools force eviction and preemption; integrity holds after every step."""
     on = tiny_engine_factory(kv_cache_tokens=512, max_num_batched_tokens=48, max_num_seqs=6)
-    off = tiny_engine_factory(kv_cache_tokens=512, max_num_batched_tokens=48, max_num_seqs=6,
-                              enable_prefix_cache=False)
+    off = tiny_engine_factory(kv_cache_tokens=512, max_num_batched_tokens=48, max_num_seqs=6, enable_prefix_cache=False)
     on.core.check_each_step = True
     off.core.check_each_step = True
     prompts, lens = _random_workload(seed, on.tokenizer)
     # Two waves: the second reuses what the first left in the cache.
     for wave in range(2):
         for eng in (on, off):
-            eng._out = [r.token_ids for r in eng.generate(
-                prompts, SamplingParams(max_tokens=max(lens) + wave, ignore_eos=True))]
+            eng._out = [
+                r.token_ids for r in eng.generate(prompts, SamplingParams(max_tokens=max(lens) + wave, ignore_eos=True))
+            ]
         assert on._out == off._out
     assert sum(r for r in [on.kv.radix.cached_pages()]) > 0
     # Evicting everything leaves the pool entirely free.

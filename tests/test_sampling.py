@@ -1,4 +1,5 @@
 """Sampling parameters: validation, seeds, stop strings, stop tokens, max_tokens."""
+
 import pytest
 
 from constrained_serve import SamplingParams
@@ -6,24 +7,45 @@ from constrained_serve.kernels.sampling import sample_torch
 from constrained_serve.sampler import step_seed
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"),
-    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(min_p=1.01), "min_p"), (dict(stop=[""]), "stop"),
-    # non-finite numbers, wrong types: refused up front, never a NaN sampler or a mid-batch crash
-    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature="0.5"), "temperature"), (dict(temperature=None), "temperature"),
-    (dict(top_p=float("nan")), "top_p"), (dict(stop=["a", 3]), "stop"), (dict(stop=123), "stop"),
-    (dict(stop_token_ids=["a"]), "stop_token_ids"), (dict(stop_token_ids=[1.7]), "stop_token_ids"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(top_k=True), "top_k"),
-    (dict(max_tokens=True), "max_tokens"), (dict(seed=True), "seed"), (dict(ignore_eos="no"), "ignore_eos"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-    # values the float32/int32 sampler would turn into inf or 0
-    (dict(temperature=1e39), "temperature"), (dict(top_p=1e-46), "top_p"),
-    (dict(repetition_penalty=1e-46), "repetition_penalty"), (dict(top_k=2**31), "top_k"),
-    (dict(seed=2**70), "seed"), (dict(temperature=10**400), "temperature"),
-    (dict(n=0), "n"), (dict(n=1.0), "n"), (dict(n=257), "n"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.01), "min_p"),
+        (dict(stop=[""]), "stop"),
+        # non-finite numbers, wrong types: refused up front, never a NaN sampler or a mid-batch crash
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(temperature=None), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(stop=["a", 3]), "stop"),
+        (dict(stop=123), "stop"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids"),
+        (dict(stop_token_ids=[1.7]), "stop_token_ids"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(top_k=True), "top_k"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(seed=True), "seed"),
+        (dict(ignore_eos="no"), "ignore_eos"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        # values the float32/int32 sampler would turn into inf or 0
+        (dict(temperature=1e39), "temperature"),
+        (dict(top_p=1e-46), "top_p"),
+        (dict(repetition_penalty=1e-46), "repetition_penalty"),
+        (dict(top_k=2**31), "top_k"),
+        (dict(seed=2**70), "seed"),
+        (dict(temperature=10**400), "temperature"),
+        (dict(n=0), "n"),
+        (dict(n=1.0), "n"),
+        (dict(n=257), "n"),
+    ],
+)
 def test_bad_sampling_params_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
@@ -36,16 +58,29 @@ def test_vllm_spellings_of_off_and_the_edges():
 
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]]).repeat(200, 1)
     col = lambda v, dt: torch.full((200,), v, dtype=dt)  # noqa: E731
-    tokens = sample_torch(logits, None, col(1.0, torch.float32), col(0, torch.int64), col(1.0, torch.float32),
-                          col(SamplingParams(min_p=1.0).min_p, torch.float32), torch.arange(200))
+    tokens = sample_torch(
+        logits,
+        None,
+        col(1.0, torch.float32),
+        col(0, torch.int64),
+        col(1.0, torch.float32),
+        col(SamplingParams(min_p=1.0).min_p, torch.float32),
+        torch.arange(200),
+    )
     assert set(tokens.tolist()) == {1, 2}
 
 
 def test_params_take_numpy_numbers_and_any_iterable(tiny_engine_factory):
     import numpy as np
 
-    p = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(1.0), seed=np.int64(3), stop={"zz"},
-                       stop_token_ids=np.array([2, 3]), ignore_eos=True)
+    p = SamplingParams(
+        max_tokens=np.int64(3),
+        temperature=np.float32(1.0),
+        seed=np.int64(3),
+        stop={"zz"},
+        stop_token_ids=np.array([2, 3]),
+        ignore_eos=True,
+    )
     assert type(p.seed) is int and type(p.max_tokens) is int and type(p.temperature) is float
     assert p.stop == ("zz",) and p.stop_token_ids == (2, 3)
     [r] = tiny_engine_factory().generate(["a"], p)  # a numpy seed overflowed the per-step seed mix
@@ -118,8 +153,12 @@ def test_n_samples_share_the_prompt_and_differ(tiny_engine_factory):
 
 def test_n_samples_all_match_the_schema(tiny_engine_factory):
     eng = tiny_engine_factory()
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
-              "required": ["a", "b"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
     [res] = eng.generate(["{"], SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=3), schema=schema)
     done = [s for s in res.samples if s.finish_reason == "stop"]
     assert done, [s.text for s in res.samples]
@@ -179,8 +218,9 @@ def test_stop_token_ids_and_max_tokens(tiny_engine_factory):
     # As in vLLM, the stop token stays in token_ids but its text is not part of the output.
     before = eng.tokenizer.decode(r.token_ids[:-1])
     assert r.text == before and free.text.startswith(before + eng.tokenizer.decode([tok]))
-    assert "".join(eng.stream("Once upon", SamplingParams(max_tokens=10, ignore_eos=True,
-                                                          stop_token_ids=[tok]))) == r.text
+    assert (
+        "".join(eng.stream("Once upon", SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[tok]))) == r.text
+    )
 
 
 def test_sampler_filters():
@@ -189,8 +229,9 @@ def test_sampler_filters():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     z = torch.zeros(4)
-    greedy = sample_torch(logits.clone(), None, z, torch.zeros(4, dtype=torch.int32), z + 1, z,
-                          torch.arange(4), all_greedy=False)
+    greedy = sample_torch(
+        logits.clone(), None, z, torch.zeros(4, dtype=torch.int32), z + 1, z, torch.arange(4), all_greedy=False
+    )
     assert torch.equal(greedy, logits.argmax(-1))
     # top_k=1 at any temperature is greedy; min_p close to 1 keeps only the argmax.
     t = torch.ones(4)
@@ -203,8 +244,15 @@ def test_sampler_filters():
     order = probs.argsort(descending=True)
     nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
     for s in range(200):
-        tok = sample_torch(logits[:1].clone(), None, t[:1], torch.zeros(1, dtype=torch.int32),
-                           torch.tensor([0.5]), z[:1], torch.tensor([step_seed(s, 0)]))
+        tok = sample_torch(
+            logits[:1].clone(),
+            None,
+            t[:1],
+            torch.zeros(1, dtype=torch.int32),
+            torch.tensor([0.5]),
+            z[:1],
+            torch.tensor([step_seed(s, 0)]),
+        )
         assert int(tok) in nucleus
 
 
@@ -295,9 +343,12 @@ def test_apply_penalties_matches_a_per_token_reference():
 
     torch.manual_seed(0)
     vocab = 40
-    params = [SamplingParams(repetition_penalty=1.5), SamplingParams(),
-              SamplingParams(presence_penalty=0.7, frequency_penalty=0.3),
-              SamplingParams(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.0)]
+    params = [
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(),
+        SamplingParams(presence_penalty=0.7, frequency_penalty=0.3),
+        SamplingParams(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.0),
+    ]
     reqs = []
     for k, p in enumerate(params):
         r = Request(prompt_ids=[1, 2, 3, 3, 5 + k], params=p)
@@ -323,8 +374,9 @@ def test_presence_penalty_stops_repeats_and_keeps_the_grammar(tiny_engine_factor
     assert len(set(free.token_ids)) < len(free.token_ids), "the tiny model was expected to repeat itself"
     [pen] = eng.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=2.0))
     assert len(set(pen.token_ids)) == len(pen.token_ids)
-    [con] = eng.generate([prompt], SamplingParams(max_tokens=24, frequency_penalty=2.0, repetition_penalty=1.5),
-                         regex="[ab]{6}")
+    [con] = eng.generate(
+        [prompt], SamplingParams(max_tokens=24, frequency_penalty=2.0, repetition_penalty=1.5), regex="[ab]{6}"
+    )
     assert con.ok and len(con.text) == 6 and set(con.text) <= {"a", "b"}
 
 

@@ -1,5 +1,6 @@
 """Structured generation end to end on the real default model: every completed output
 matches its spec (jsonschema validation, regex fullmatch, Pydantic parsing)."""
+
 import datetime
 import json
 import re
@@ -36,8 +37,10 @@ def pick_schemas(n=40, max_chars=600):
 
 
 def _prompt(schema):
-    return [{"role": "system", "content": "You write JSON that follows the given JSON Schema."},
-            {"role": "user", "content": "Schema:\n" + json.dumps(schema)[:600] + "\nWrite one example."}]
+    return [
+        {"role": "system", "content": "You write JSON that follows the given JSON Schema."},
+        {"role": "user", "content": "Schema:\n" + json.dumps(schema)[:600] + "\nWrite one example."},
+    ]
 
 
 class Invoice(BaseModel):
@@ -81,19 +84,27 @@ def test_pydantic_regex_choices_and_lark(default_engine):
     if lst.finish_reason == "stop":
         assert all(isinstance(x, Invoice) for x in lst.parsed)
     pattern = r"\d{4}-\d{2}-\d{2}"
-    for r in eng.generate(["The date today is", "Born on"], SamplingParams(max_tokens=20, temperature=1.0, seed=3),
-                          regex=pattern):
+    for r in eng.generate(
+        ["The date today is", "Born on"], SamplingParams(max_tokens=20, temperature=1.0, seed=3), regex=pattern
+    ):
         assert r.finish_reason == "stop" and re.fullmatch(pattern, r.text)
-    [c] = eng.chat([{"role": "user", "content": "Is water wet? yes or no"}], SamplingParams(max_tokens=5),
-                   choices=["yes", "no", "unsure"])
+    [c] = eng.chat(
+        [{"role": "user", "content": "Is water wet? yes or no"}],
+        SamplingParams(max_tokens=5),
+        choices=["yes", "no", "unsure"],
+    )
     assert c.text in ("yes", "no", "unsure")
     import lark  # in the test extra; a missing install fails here, loudly
+
     grammar = 'start: expr\nexpr: NUMBER | expr OP expr | "(" expr ")"\nOP: "+" | "-" | "*"\nNUMBER: /[0-9]{1,3}/\n'
     [g] = eng.generate(["Arithmetic: "], SamplingParams(max_tokens=24), grammar=grammar)
     if g.finish_reason == "stop":
         lark.Lark(grammar.replace("{1,3}", "+")).parse(g.text)
-    [o] = eng.chat([{"role": "user", "content": "A JSON object about a dog."}], SamplingParams(max_tokens=60),
-                   response_format={"type": "json_object"})
+    [o] = eng.chat(
+        [{"role": "user", "content": "A JSON object about a dog."}],
+        SamplingParams(max_tokens=60),
+        response_format={"type": "json_object"},
+    )
     if o.finish_reason == "stop":
         assert isinstance(o.json, dict)
 
@@ -152,8 +163,12 @@ def test_a_per_prompt_spec_the_backend_refuses_raises_grammar_error(tiny_engine_
     rs = eng.generate(["x", "y"], SamplingParams(max_tokens=4), schema=[Refused, {"not": {"type": "string"}}])
     assert rs[0].error_type != "GrammarError" and rs[1].error_type == "GrammarError"
     with pytest.raises(GrammarError, match="request 1"):
-        eng.generate(["x", "y"], SamplingParams(max_tokens=4), schema=[{"enum": [1]}, {"not": {"type": "string"}}],
-                     raise_on_error=True)
+        eng.generate(
+            ["x", "y"],
+            SamplingParams(max_tokens=4),
+            schema=[{"enum": [1]}, {"not": {"type": "string"}}],
+            raise_on_error=True,
+        )
 
 
 def test_bad_shared_schema_fails_at_submit_before_model_work(tiny_engine_factory):
@@ -207,8 +222,11 @@ def test_thousands_of_choices(tiny_engine_factory, backend):
     """Choices compile to one lexeme on llguidance, so its parser-row limit does not apply."""
     eng = tiny_engine_factory(grammar_backend=backend)
     choices = [f"opt{i}" for i in range(5000)] + ["yes", "yes!"]
-    rs = eng.generate(["x", "y"], [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=3)],
-                      choices=choices)
+    rs = eng.generate(
+        ["x", "y"],
+        [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=3)],
+        choices=choices,
+    )
     assert all(r.error is None and r.finish_reason == "stop" and r.text in choices for r in rs), rs
 
 
@@ -231,15 +249,24 @@ def test_per_prompt_spec_list_of_the_wrong_length_is_named(tiny_engine_factory):
 
 
 def test_overlapped_and_synchronous_loops_give_identical_tokens(tiny_engine_factory):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "n": {"type": "integer"}, "ok": {"type": "boolean"}},
-              "required": ["name", "n", "ok"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "n": {"type": "integer"},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "n", "ok"],
+    }
     prompts = [f"record {i}:" for i in range(6)]
     outs = []
     for overlap in (True, False):
         eng = tiny_engine_factory(overlap=overlap)
-        rs = eng.generate(prompts, SamplingParams(max_tokens=40, temperature=0.7, seed=5),
-                          schema=[schema, None, schema, None, schema, schema])
+        rs = eng.generate(
+            prompts,
+            SamplingParams(max_tokens=40, temperature=0.7, seed=5),
+            schema=[schema, None, schema, None, schema, schema],
+        )
         outs.append([r.token_ids for r in rs])
     assert outs[0] == outs[1]
 
@@ -247,8 +274,11 @@ def test_overlapped_and_synchronous_loops_give_identical_tokens(tiny_engine_fact
 def test_rows_split_over_two_mask_workers_give_the_same_tokens(tiny_engine_factory):
     """grammar_mask_workers=2 splits each step's rows over two worker processes; the masks,
     and so the sampled tokens, are the same as with one."""
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "n": {"type": "integer"}}, "required": ["name", "n"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
     prompts = [f"record {i}:" for i in range(5)]
     outs = []
     for workers in (1, 2):
@@ -264,9 +294,15 @@ def test_rows_split_over_two_mask_workers_give_the_same_tokens(tiny_engine_facto
 
 
 def test_fast_forward_on_and_off_both_validate(tiny_engine_factory):
-    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                               "size": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["color", "size"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["color", "size"],
+        "additionalProperties": False,
+    }
     texts = {}
     for ff in (True, False):
         eng = tiny_engine_factory(fast_forward=ff)
@@ -284,8 +320,9 @@ def test_fast_forward_on_and_off_both_validate(tiny_engine_factory):
 def test_sampled_outputs_always_match(tiny_engine_factory):
     eng = tiny_engine_factory()
     pattern = r"[a-c]{2,5}-\d{1,3}"
-    rs = eng.generate([f"p{i}" for i in range(8)], SamplingParams(max_tokens=16, temperature=1.5, seed=11),
-                      regex=pattern)
+    rs = eng.generate(
+        [f"p{i}" for i in range(8)], SamplingParams(max_tokens=16, temperature=1.5, seed=11), regex=pattern
+    )
     for r in rs:
         if r.finish_reason == "stop":
             assert re.fullmatch(pattern, r.text), r.text
@@ -298,7 +335,7 @@ def test_request_waits_while_its_grammar_compiles(tiny_engine_factory):
     from constrained_serve.request import GrammarState, Request
 
     eng = tiny_engine_factory()
-    eng.grammar  # create the manager
+    _ = eng.grammar  # create the manager
     slow = Request(eng.encode_prompt("slow"), SamplingParams(max_tokens=3, ignore_eos=True))
     slow.grammar = GrammarState(future=Future())  # compile "in progress"
     fast = Request(eng.encode_prompt("fast"), SamplingParams(max_tokens=3, ignore_eos=True))

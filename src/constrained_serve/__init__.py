@@ -1,9 +1,10 @@
 """constrained-serve: structured generation with continuous batching.
 
-    from constrained_serve import Engine, SamplingParams
-    engine = Engine()
-    [r] = engine.chat([{"role": "user", "content": "..."}], SamplingParams(max_tokens=64), schema=MyModel)
+from constrained_serve import Engine, SamplingParams
+engine = Engine()
+[r] = engine.chat([{"role": "user", "content": "..."}], SamplingParams(max_tokens=64), schema=MyModel)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,21 @@ from .errors import GrammarError, OutputError, OutputValidationError, PromptTooL
 from .params import OutputSpec, SamplingParams
 from .result import Result, Usage
 
-__all__ = ["AsyncEngine", "Engine", "GrammarError", "OutputError", "OutputValidationError", "PromptTooLongError", "OutputSpec",
-           "Result", "SamplingParams", "Usage", "generate", "default_engine", "__version__"]
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "GrammarError",
+    "OutputError",
+    "OutputValidationError",
+    "PromptTooLongError",
+    "OutputSpec",
+    "Result",
+    "SamplingParams",
+    "Usage",
+    "generate",
+    "default_engine",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from .api import Engine
@@ -73,8 +87,9 @@ def generate(prompt_or_messages: Any, **kwargs: Any) -> Any:
     x = prompt_or_messages
     is_messages = isinstance(x, list) and x and isinstance(x[0], dict)
     # A list of message lists; a list of token-id lists is a list of raw prompts.
-    is_list_of_messages = isinstance(x, list) and x and isinstance(x[0], list) and (
-        not x[0] or isinstance(x[0][0], dict))
+    is_list_of_messages = (
+        isinstance(x, list) and x and isinstance(x[0], list) and (not x[0] or isinstance(x[0][0], dict))
+    )
     if isinstance(x, str):
         return eng.generate(x, params, **kwargs)[0]
     if is_messages:

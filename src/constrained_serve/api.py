@@ -3,6 +3,7 @@
 It turns user inputs (strings, message lists, output specs) into ``Request`` objects, drives
 ``EngineCore`` and turns finished requests into ``Result`` objects, in input order.
 """
+
 from __future__ import annotations
 
 import logging
@@ -10,18 +11,19 @@ import os
 import random
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import outputs
 from .cache.manager import KVCacheManager
 from .cache.pins import PinRegistry
 from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
 from .engine import EngineCore
-from . import outputs
 from .errors import GrammarError, OutputError, PromptTooLongError
 from .models import loader
 from .models.llama import sliding_window_of
@@ -41,8 +43,9 @@ logger = logging.getLogger(__name__)
 
 def _per_prompt(key: str, value: Any) -> bool:
     """A list is one spec per prompt, except choices=["yes", "no"] (one spec for all)."""
-    return isinstance(value, list) and (key != "choices" or (
-        len(value) > 0 and all(isinstance(x, (list, tuple)) or x is None for x in value)))
+    return isinstance(value, list) and (
+        key != "choices" or (len(value) > 0 and all(isinstance(x, (list, tuple)) or x is None for x in value))
+    )
 
 
 def _done(x: Request | list[Request] | Result) -> bool:
@@ -58,7 +61,7 @@ def _requests(x: Request | list[Request] | Result) -> list[Request]:
 
 
 Messages = list[dict[str, Any]]
-ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]  # one for all items, or one each
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None  # one for all items, or one each
 _SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
 
 
@@ -66,8 +69,10 @@ def split_chat_messages(messages: Any) -> tuple[list[Messages], bool]:
     """``chat()``'s input as a list of conversations, and whether it was one conversation
     (a list of messages) rather than a list of them."""
     if isinstance(messages, (str, bytes, dict)):
-        raise TypeError(f"chat() takes a list of {{'role': ..., 'content': ...}} messages (or a list of such "
-                        f"lists), got a {type(messages).__name__}; for raw text use generate()")
+        raise TypeError(
+            f"chat() takes a list of {{'role': ..., 'content': ...}} messages (or a list of such "
+            f"lists), got a {type(messages).__name__}; for raw text use generate()"
+        )
     single = len(messages) > 0 and isinstance(messages[0], dict)
     return ([messages] if single else list(messages)), single
 
@@ -87,12 +92,27 @@ class _CallPlan:
 class Engine:
     """A causal LM turned into a structured-output engine. See README for examples."""
 
-    def __init__(self, model: str | os.PathLike | None = None, device: str = "auto", dtype: str | torch.dtype | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                 kv_cache_tokens: int | None = None, page_size: int = 16, **kwargs: Any) -> None:
-        self.config = cfg = EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                                         max_num_batched_tokens=max_num_batched_tokens,
-                                         kv_cache_tokens=kv_cache_tokens, page_size=page_size, **kwargs)
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        device: str = "auto",
+        dtype: str | torch.dtype | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_tokens: int | None = None,
+        page_size: int = 16,
+        **kwargs: Any,
+    ) -> None:
+        self.config = cfg = EngineConfig(
+            model=model,
+            device=device,
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_tokens=kv_cache_tokens,
+            page_size=page_size,
+            **kwargs,
+        )
         self.device = dev = cfg.torch_device()
         self.dtype = cfg.torch_dtype(dev)
         if dev.type == "cpu":
@@ -122,12 +142,26 @@ class Engine:
         self.kv = KVCacheManager(self.pool, radix, pins=pins, copy_page_prefix=runner.copy_page_prefix)
         scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens(dev))
         self.eos_token_ids: frozenset[int] = frozenset(loader.eos_token_ids(self.hf_config, self.tokenizer))
-        self.core = EngineCore(runner, scheduler, self.kv, self.tokenizer, set(self.eos_token_ids),
-                               self.max_model_len, make_grammar=self._make_grammar, overlap=cfg.overlap,
-                               fast_forward=cfg.fast_forward)
+        self.core = EngineCore(
+            runner,
+            scheduler,
+            self.kv,
+            self.tokenizer,
+            set(self.eos_token_ids),
+            self.max_model_len,
+            make_grammar=self._make_grammar,
+            overlap=cfg.overlap,
+            fast_forward=cfg.fast_forward,
+        )
         self._rng = random.Random(cfg.seed)
-        logger.info("engine ready: %s on %s (%s), %d KV pages of %d tokens", self.model_path, dev,
-                    self.dtype, num_pages, cfg.page_size)
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV pages of %d tokens",
+            self.model_path,
+            dev,
+            self.dtype,
+            num_pages,
+            cfg.page_size,
+        )
 
     # ------------------------------------------------------------------ set-up helpers
     def _num_pages(self, model_len: int) -> int:
@@ -155,11 +189,17 @@ class Engine:
         from .grammar.manager import GrammarManager
 
         cfg = self.config
-        grammar = GrammarManager(self.tokenizer, self.vocab_size, default_backend=cfg.grammar_backend,
-                                 eos_token_ids=sorted(self.eos_token_ids), mask_threads=self._mask_workers(),
-                                 compile_timeout_s=cfg.grammar_compile_timeout_s,
-                                 mask_timeout_s=cfg.grammar_mask_timeout_s,
-                                 isolation=cfg.grammar_isolation, max_rows=cfg.max_num_seqs)
+        grammar = GrammarManager(
+            self.tokenizer,
+            self.vocab_size,
+            default_backend=cfg.grammar_backend,
+            eos_token_ids=sorted(self.eos_token_ids),
+            mask_threads=self._mask_workers(),
+            compile_timeout_s=cfg.grammar_compile_timeout_s,
+            mask_timeout_s=cfg.grammar_mask_timeout_s,
+            isolation=cfg.grammar_isolation,
+            max_rows=cfg.max_num_seqs,
+        )
         grammar.warm_up()  # its workers start while the first spec compiles
         return grammar
 
@@ -174,12 +214,14 @@ class Engine:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
     def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                     for m in messages):
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
         except Exception as e:  # jinja2 errors, a template's raise_exception(): this item's problem
             raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
@@ -213,13 +255,21 @@ class Engine:
             out.append(d)
         return out, True
 
-    def _new_request(self, ids: list[int], params: SamplingParams, spec: OutputSpec | None, index: int,
-                     backend: str | None, sample: int = 0) -> Request:
+    def _new_request(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        spec: OutputSpec | None,
+        index: int,
+        backend: str | None,
+        sample: int = 0,
+    ) -> Request:
         if len(ids) == 0:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the model's context (or the KV pool) holds {self.max_model_len}")
+                f"prompt has {len(ids)} tokens; the model's context (or the KV pool) holds {self.max_model_len}"
+            )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         if sample:  # sample 0 keeps the seed: with n=1 the same seed gives the same output
             seed = step_seed(seed, -sample)
@@ -239,24 +289,51 @@ class Engine:
         return outputs.result_of(group, prompt, raise_on_error, self.core.grammar, self.max_model_len)
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, progress: bool = False, raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+        raise_on_error: bool = False,
+        **spec_kwargs: Any,
+    ) -> list[Result]:
         """Raw prompts (no chat template). One Result per prompt, in input order.
 
         ``params`` is one SamplingParams for all prompts or a list with one per prompt."""
         single = isinstance(prompts, str)
-        return self._run([prompts] if single else list(prompts), params, chat=False, progress=progress,
-                         raise_on_error=raise_on_error, spec_kwargs=spec_kwargs, single=single)
+        return self._run(
+            [prompts] if single else list(prompts),
+            params,
+            chat=False,
+            progress=progress,
+            raise_on_error=raise_on_error,
+            spec_kwargs=spec_kwargs,
+            single=single,
+        )
 
-    def chat(self, messages: Messages | Sequence[Messages],
-             params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             progress: bool = False, raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+        raise_on_error: bool = False,
+        **spec_kwargs: Any,
+    ) -> list[Result]:
         """Message lists, rendered with the model's chat template. One Result per conversation.
 
         ``params`` is one SamplingParams for all conversations or a list with one per conversation."""
         items, single = split_chat_messages(messages)
-        return self._run(items, params, chat=True, progress=progress, raise_on_error=raise_on_error,
-                         spec_kwargs=spec_kwargs, single=single)
+        return self._run(
+            items,
+            params,
+            chat=True,
+            progress=progress,
+            raise_on_error=raise_on_error,
+            spec_kwargs=spec_kwargs,
+            single=single,
+        )
 
     @staticmethod
     def _spec_args(spec_kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -265,27 +342,67 @@ class Engine:
         backend = spec_kwargs.pop("grammar_backend", None)
         if backend is not None and backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {backend!r}")
-        spec_args = {k: spec_kwargs.pop(k) for k in list(spec_kwargs) if k in _SPEC_KEYS or k in (
-            "grammar_syntax", "json_whitespace", "strict")}
+        spec_args = {
+            k: spec_kwargs.pop(k)
+            for k in list(spec_kwargs)
+            if k in _SPEC_KEYS or k in ("grammar_syntax", "json_whitespace", "strict")
+        }
         if spec_kwargs:
             raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
         return backend, spec_args
 
-    def _run(self, items: list[Any], params: ParamsArg, *, chat: bool, progress: bool, raise_on_error: bool,
-             spec_kwargs: dict[str, Any], single: bool) -> list[Result]:
-        return list(self._iter(items, params, chat=chat, progress=progress, raise_on_error=raise_on_error,
-                               spec_kwargs=spec_kwargs, single=single, max_in_flight=None, total=len(items)))
+    def _run(
+        self,
+        items: list[Any],
+        params: ParamsArg,
+        *,
+        chat: bool,
+        progress: bool,
+        raise_on_error: bool,
+        spec_kwargs: dict[str, Any],
+        single: bool,
+    ) -> list[Result]:
+        return list(
+            self._iter(
+                items,
+                params,
+                chat=chat,
+                progress=progress,
+                raise_on_error=raise_on_error,
+                spec_kwargs=spec_kwargs,
+                single=single,
+                max_in_flight=None,
+                total=len(items),
+            )
+        )
 
-    def generate_iter(self, prompts: Iterable[Any], params: SamplingParams | None = None, *, chat: bool = False,
-                      max_in_flight: int = 256, progress: bool = False, raise_on_error: bool = False,
-                      **spec_kwargs: Any) -> Iterator[Result]:
+    def generate_iter(
+        self,
+        prompts: Iterable[Any],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        max_in_flight: int = 256,
+        progress: bool = False,
+        raise_on_error: bool = False,
+        **spec_kwargs: Any,
+    ) -> Iterator[Result]:
         """Stream over a long iterable: continuous batching across items, results in input order.
         At most ``max_in_flight`` requests are submitted ahead (a prompt with ``n`` samples
         counts ``n``), so memory stays bounded however long the iterable.
 
         Per-item problems (too long, bad per-item input) come back as error Results."""
-        return self._iter(prompts, params, chat=chat, progress=progress, raise_on_error=raise_on_error,
-                          spec_kwargs=spec_kwargs, single=False, max_in_flight=max_in_flight, total=None)
+        return self._iter(
+            prompts,
+            params,
+            chat=chat,
+            progress=progress,
+            raise_on_error=raise_on_error,
+            spec_kwargs=spec_kwargs,
+            single=False,
+            max_in_flight=max_in_flight,
+            total=None,
+        )
 
     def _plan(self, items: Iterable[Any], params: ParamsArg, chat: bool, spec_kwargs: dict[str, Any]) -> "_CallPlan":
         """What every item of one call shares: its params, its spec(s), the grammar backend.
@@ -303,8 +420,11 @@ class Engine:
             shared_spec = self.make_spec(**spec_args)  # a bad shared spec raises here
             if shared_spec is not None:
                 # ... and fails before any model work (under the longest compile deadline asked for)
-                timeouts = [p.compile_timeout_s for p in ([params] if not isinstance(params, (list, tuple))
-                                                          else params) if p is not None]
+                timeouts = [
+                    p.compile_timeout_s
+                    for p in ([params] if not isinstance(params, (list, tuple)) else params)
+                    if p is not None
+                ]
                 self.grammar.compile(shared_spec, backend, max(timeouts) if all(timeouts) and timeouts else None)
         return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat)
 
@@ -316,9 +436,19 @@ class Engine:
         p = plan.params_at(i)
         return [self._new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
 
-    def _iter(self, items: Iterable[Any], params: ParamsArg, *, chat: bool, progress: bool, raise_on_error: bool,
-              spec_kwargs: dict[str, Any], single: bool, max_in_flight: int | None,
-              total: int | None) -> Iterator[Result]:
+    def _iter(
+        self,
+        items: Iterable[Any],
+        params: ParamsArg,
+        *,
+        chat: bool,
+        progress: bool,
+        raise_on_error: bool,
+        spec_kwargs: dict[str, Any],
+        single: bool,
+        max_in_flight: int | None,
+        total: int | None,
+    ) -> Iterator[Result]:
         plan = self._plan(items, params, chat, spec_kwargs)
         bar = None
         if progress:
@@ -378,8 +508,10 @@ class Engine:
         """One step for a caller waiting on r (under the core lock). An unfinished request
         the core no longer holds would make its caller spin forever: fail loudly instead."""
         if not self.core.has_work():
-            raise RuntimeError(f"request {r.request_id} is unfinished but no longer scheduled "
-                               "(engine state lost, e.g. after an error inside a step)")
+            raise RuntimeError(
+                f"request {r.request_id} is unfinished but no longer scheduled "
+                "(engine state lost, e.g. after an error inside a step)"
+            )
         self.core.step()
 
     @staticmethod
@@ -410,8 +542,9 @@ class Engine:
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(item).__name__}")
 
     # ------------------------------------------------------------------ streaming and conversations
-    def stream(self, prompt: str | Messages, params: SamplingParams | None = None, *, partial: bool = False,
-               **spec_kwargs: Any) -> Iterator[Any]:
+    def stream(
+        self, prompt: str | Messages, params: SamplingParams | None = None, *, partial: bool = False, **spec_kwargs: Any
+    ) -> Iterator[Any]:
         """An iterator of text deltas as they are decoded (constrained or not). Bad input
         raises here, at the call; decoding starts at the first ``next()``. A request that fails
         midway (``finish_reason == "abort"``: a grammar dead end, no KV room) raises
@@ -446,8 +579,9 @@ class Engine:
                 yield obj
         result = self._hand_back(r, prompt, False)
         if result.error is not None:
-            raise OutputError(f"the streamed output is not a complete valid object: {result.error_type}: "
-                              f"{result.error}")
+            raise OutputError(
+                f"the streamed output is not a complete valid object: {result.error_type}: {result.error}"
+            )
         yield result.parsed if r.spec.python_type is not None else result.json
 
     def _stream(self, r: Request) -> Iterator[str]:

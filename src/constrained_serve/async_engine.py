@@ -6,21 +6,24 @@ that steps the engine while coroutines wait (a coroutine must never run a 100 ms
 the event loop), and that thread has a lifetime (``aclose``) a plain Engine does not need.
 ``AsyncEngine(**engine_kwargs)`` builds the Engine on its stepper thread (on CPU a forward
 runs ~30% faster on the thread that loaded the model); ``AsyncEngine(engine)`` wraps an
-existing Engine, so sync calls from other threads keep working beside it: they take the same core lock, and every step, whoever runs it, advances
-every caller's requests, so async and sync requests share batches.
+existing Engine, so sync calls from other threads keep working beside it: they take the
+same core lock, and every step, whoever runs it, advances every caller's requests, so async
+and sync requests share batches.
 
 The stepper thread sleeps until a coroutine submits work, steps while any watched request is
 unfinished, and after each step hands each watcher its news on its event loop (text deltas
 for streams, the finished requests for the rest). A cancelled coroutine (a client that went
 away) has its requests aborted before the next step: their pages go back to the pool.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
 
 from . import outputs
 from .api import ParamsArg, split_chat_messages
@@ -127,8 +130,10 @@ class _Stepper:
                             error = e
                         stepped = core.num_steps != before
                     else:
-                        error = RuntimeError("requests are unfinished but no longer scheduled "
-                                             "(engine state lost, e.g. after an error inside a step)")
+                        error = RuntimeError(
+                            "requests are unfinished but no longer scheduled "
+                            "(engine state lost, e.g. after an error inside a step)"
+                        )
                 core.drain_finished()
                 for w in watches:
                     if w.on_step is not None:
@@ -192,22 +197,49 @@ class AsyncEngine:
         await asyncio.to_thread(self._stepper.close)
 
     # ------------------------------------------------------------------ calls
-    async def generate(self, prompts: str | Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                       *, raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
+    async def generate(
+        self,
+        prompts: str | Sequence[Any],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        raise_on_error: bool = False,
+        **spec_kwargs: Any,
+    ) -> list[Result]:
         """As ``Engine.generate``: raw prompts, one Result per prompt, in input order."""
         single = isinstance(prompts, str)
-        return await self._run([prompts] if single else list(prompts), params, chat=False,
-                               raise_on_error=raise_on_error, spec_kwargs=spec_kwargs, single=single)
+        return await self._run(
+            [prompts] if single else list(prompts),
+            params,
+            chat=False,
+            raise_on_error=raise_on_error,
+            spec_kwargs=spec_kwargs,
+            single=single,
+        )
 
-    async def chat(self, messages: Any, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                   raise_on_error: bool = False, **spec_kwargs: Any) -> list[Result]:
+    async def chat(
+        self,
+        messages: Any,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        raise_on_error: bool = False,
+        **spec_kwargs: Any,
+    ) -> list[Result]:
         """As ``Engine.chat``: message lists through the chat template."""
         items, single = split_chat_messages(messages)
-        return await self._run(items, params, chat=True, raise_on_error=raise_on_error, spec_kwargs=spec_kwargs,
-                               single=single)
+        return await self._run(
+            items, params, chat=True, raise_on_error=raise_on_error, spec_kwargs=spec_kwargs, single=single
+        )
 
-    async def _run(self, items: list[Any], params: ParamsArg, *, chat: bool, raise_on_error: bool,
-                   spec_kwargs: dict[str, Any], single: bool) -> list[Result]:
+    async def _run(
+        self,
+        items: list[Any],
+        params: ParamsArg,
+        *,
+        chat: bool,
+        raise_on_error: bool,
+        spec_kwargs: dict[str, Any],
+        single: bool,
+    ) -> list[Result]:
         eng = self.engine
         # Tokenizing and compiling take milliseconds to seconds: not on the event loop.
         entries = await asyncio.to_thread(self._build, items, params, chat, raise_on_error, spec_kwargs, single)
@@ -225,11 +257,20 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 self._stepper.cancel(requests)
                 raise
-        return [eng._hand_back(x if not isinstance(x, list) or len(x) > 1 else x[0], item, raise_on_error)
-                for x, item in zip(entries, items)]
+        return [
+            eng._hand_back(x if not isinstance(x, list) or len(x) > 1 else x[0], item, raise_on_error)
+            for x, item in zip(entries, items)
+        ]
 
-    def _build(self, items: list[Any], params: ParamsArg, chat: bool, raise_on_error: bool, spec_kwargs: dict[str, Any],
-               single: bool) -> list[list[Request] | Result]:
+    def _build(
+        self,
+        items: list[Any],
+        params: ParamsArg,
+        chat: bool,
+        raise_on_error: bool,
+        spec_kwargs: dict[str, Any],
+        single: bool,
+    ) -> list[list[Request] | Result]:
         eng = self.engine
         plan = eng._plan(items, params, chat, spec_kwargs)
         out: list[list[Request] | Result] = []
@@ -242,8 +283,9 @@ class AsyncEngine:
                 out.append(outputs.error_result(i, e, item))
         return out
 
-    async def stream(self, prompt: Any, params: SamplingParams | None = None, *, partial: bool = False,
-                     **spec_kwargs: Any) -> AsyncIterator[Any]:
+    async def stream(
+        self, prompt: Any, params: SamplingParams | None = None, *, partial: bool = False, **spec_kwargs: Any
+    ) -> AsyncIterator[Any]:
         """As ``Engine.stream``: text deltas as they are decoded; a request that fails midway
         raises OutputError after its text. Stop iterating (or cancel) to abort it. With
         ``partial=True`` (a JSON spec): partial objects, then the validated one (partial.py)."""
@@ -265,8 +307,9 @@ class AsyncEngine:
                 yield obj
         result = self.engine._hand_back(r, prompt, False)
         if result.error is not None:
-            raise OutputError(f"the streamed output is not a complete valid object: {result.error_type}: "
-                              f"{result.error}")
+            raise OutputError(
+                f"the streamed output is not a complete valid object: {result.error_type}: {result.error}"
+            )
         yield result.parsed if r.spec.python_type is not None else result.json
 
     async def _stream_request(self, r: Request) -> AsyncIterator[str]:
@@ -280,7 +323,7 @@ class AsyncEngine:
                 r.detok.flush()
             text = r.visible_text(final=done)
             if len(text) > shown[0]:
-                _on_loop(loop, queue.put_nowait, text[shown[0]:])
+                _on_loop(loop, queue.put_nowait, text[shown[0] :])
                 shown[0] = len(text)
 
         def on_done(error: BaseException | None) -> None:

@@ -4,6 +4,7 @@ attention kernels share (so none of them imports another for its types).
 The scheduler picks a ``Batch`` of ``ScheduledChunk``s; the runner turns it into flat
 tensors and an ``AttentionMetadata``, which every layer's attention reads.
 """
+
 from __future__ import annotations
 
 import itertools

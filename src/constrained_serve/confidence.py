@@ -7,10 +7,12 @@ text overlaps the value, of each token's probability under the model's raw distr
 chosen by the model: it counts as certain. Token texts are placed by replaying the output
 through the incremental detokenizer the engine used, so they line up with ``Result.text``.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .detokenizer import IncrementalDetokenizer
 from .json_spans import scan
@@ -36,8 +38,9 @@ def token_offsets(tokenizer: Any, prompt_tail: Sequence[int], ids: Sequence[int]
     return out
 
 
-def field_confidence(text: str, offsets: list[tuple[int, int]], logprobs: Sequence[dict[int, float] | None],
-                     ids: Sequence[int]) -> dict[str, float]:
+def field_confidence(
+    text: str, offsets: list[tuple[int, int]], logprobs: Sequence[dict[int, float] | None], ids: Sequence[int]
+) -> dict[str, float]:
     """{JSON path: probability} for every complete value of ``text``."""
     spans, _, _ = scan(text)
     per_token = [0.0 if lp is None else lp.get(t, 0.0) for t, lp in zip(ids, logprobs)]

@@ -1,4 +1,5 @@
 """Engine configuration: one frozen dataclass, validated on construction."""
+
 from __future__ import annotations
 
 import os
@@ -6,8 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 @dataclass(frozen=True)
@@ -62,14 +70,17 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (a prompt token and an output token), got {self.max_model_len}")
+            raise ValueError(
+                f"max_model_len must be >= 2 (a prompt token and an output token), got {self.max_model_len}"
+            )
         for name in ("grammar_compile_timeout_s", "grammar_mask_timeout_s"):
             if getattr(self, name) is None and name == "grammar_mask_timeout_s":
                 continue
             if not (isinstance(getattr(self, name), (int, float)) and 0 < getattr(self, name) <= 3600):
                 raise ValueError(f"{name} must be a number of seconds in (0, 3600], got {getattr(self, name)!r}")
-        if self.grammar_mask_workers is not None and not (type(self.grammar_mask_workers) is int
-                                                          and 1 <= self.grammar_mask_workers <= 64):
+        if self.grammar_mask_workers is not None and not (
+            type(self.grammar_mask_workers) is int and 1 <= self.grammar_mask_workers <= 64
+        ):
             raise ValueError(f"grammar_mask_workers must be an int in [1, 64], got {self.grammar_mask_workers!r}")
         if self.grammar_isolation not in ("process", "inline"):
             raise ValueError(f"grammar_isolation must be 'process' or 'inline', got {self.grammar_isolation!r}")

@@ -14,12 +14,14 @@ one does not fit), every pin is dropped: the history stays cached until evicted,
 is pinned again at the conversation's next turn. Ordinary memory pressure (preempting
 runners, a queue waiting for pages) leaves the pins alone.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .detokenizer import IncrementalDetokenizer, encode, encode_continuation
 from .interrupts import sigint_deferred
@@ -28,6 +30,7 @@ from .result import Result
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
     from .api import Engine
 
 logger = logging.getLogger(__name__)
@@ -67,13 +70,13 @@ class Conversation:
         eos_text = tok.decode([eos_id])
         cut = prev.rfind(eos_text) if eos_text else -1
         if cut < 0:
-            return self.token_ids + encode(tok, full[len(prev):])
-        delimiter = prev[cut + len(eos_text):]
+            return self.token_ids + encode(tok, full[len(prev) :])
+        delimiter = prev[cut + len(eos_text) :]
         # Tokenized after the end-of-turn token, as in the whole rendered text: a SentencePiece
         # tokenizer would otherwise read the new part as the start of a text ("▁[INST]"
         # where the full text has "[INST]", for Metaspace with prepend_scheme "first").
-        ids = encode(tok, eos_text + delimiter + full[len(prev):])
-        new = ids[1:] if ids and ids[0] == eos_id else encode(tok, delimiter + full[len(prev):])
+        ids = encode(tok, eos_text + delimiter + full[len(prev) :])
+        new = ids[1:] if ids and ids[0] == eos_id else encode(tok, delimiter + full[len(prev) :])
         return self.token_ids + new
 
     def send(self, content: str, params: SamplingParams | None = None, **spec_kwargs: Any) -> Result:
@@ -121,7 +124,9 @@ class Conversation:
         self.close()
 
 
-def _ids_for_text(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], out_ids: list[int], text: str) -> list[int]:
+def _ids_for_text(
+    tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], out_ids: list[int], text: str
+) -> list[int]:
     """Token ids whose text is exactly ``text``, a prefix of what ``out_ids`` decode to: the
     model's own tokens as far as they lie inside it (their KV is cached), then the rest of
     the text (a stop string may end inside a token) tokenized afresh."""
@@ -145,8 +150,12 @@ def _ids_for_text(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], out
     return kept + tail
 
 
-def send_many(conversations: Sequence[Conversation], contents: Sequence[str],
-              params: SamplingParams | None = None, **spec_kwargs: Any) -> list[Result]:
+def send_many(
+    conversations: Sequence[Conversation],
+    contents: Sequence[str],
+    params: SamplingParams | None = None,
+    **spec_kwargs: Any,
+) -> list[Result]:
     """One turn for each conversation, all decoded together in one batch."""
     if len(conversations) != len(contents):
         raise ValueError("conversations and contents must have the same length")
@@ -157,8 +166,10 @@ def send_many(conversations: Sequence[Conversation], contents: Sequence[str],
             # A second turn started before the first is committed would be built on the
             # old history and overwrite the first: refuse it rather than corrupt the history.
             if not c._turn.acquire(blocking=False):
-                raise RuntimeError("this conversation already has a turn in flight (another thread is "
-                                   "sending on it); a conversation takes one turn at a time")
+                raise RuntimeError(
+                    "this conversation already has a turn in flight (another thread is "
+                    "sending on it); a conversation takes one turn at a time"
+                )
             turns.callback(c._turn.release)
         engine = conversations[0].engine
         ids = [c.next_turn_ids(m) for c, m in zip(conversations, contents)]

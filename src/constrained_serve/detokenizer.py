@@ -5,9 +5,11 @@ spacing). As in vLLM/TGI we decode a short window twice — up to the last emitt
 to the newest — and emit the difference only once it no longer ends in an incomplete
 character (U+FFFD).
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -30,8 +32,9 @@ def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
         plain = False
     if backend is not None and plain:
         return lambda seqs: backend.decode_batch(seqs, skip_special_tokens=True)
-    return lambda seqs: [tokenizer.decode(s, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-                         for s in seqs]
+    return lambda seqs: [
+        tokenizer.decode(s, skip_special_tokens=True, clean_up_tokenization_spaces=False) for s in seqs
+    ]
 
 
 def cut_at_stop(text: str, stops: Sequence[str], *, final: bool) -> str:
@@ -43,9 +46,8 @@ def cut_at_stop(text: str, stops: Sequence[str], *, final: bool) -> str:
         return text[:cut]
     if final:
         return text
-    hold = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)
-    return text[:len(text) - hold]
+    hold = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
 
 
 class IncrementalDetokenizer:
@@ -63,27 +65,28 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int]) -> str:
         """Add tokens; return the newly completed text (possibly '')."""
         self.ids.extend(new_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         return self._advance(prefix, full)
 
     @staticmethod
-    def push_many(items: Sequence[tuple["IncrementalDetokenizer", list[int]]],
-                  decode: Callable[[list[list[int]]], list[str]]) -> None:
+    def push_many(
+        items: Sequence[tuple["IncrementalDetokenizer", list[int]]], decode: Callable[[list[list[int]]], list[str]]
+    ) -> None:
         """``push`` for many detokenizers (of one tokenizer) with one batched ``decode``
         (``batch_decoder``): the same texts, at a fraction of the cost per step."""
         seqs: list[list[int]] = []
         for d, new_ids in items:
             d.ids.extend(new_ids)
-            seqs.append(d.ids[d.prefix_offset:d.read_offset])
-            seqs.append(d.ids[d.prefix_offset:])
+            seqs.append(d.ids[d.prefix_offset : d.read_offset])
+            seqs.append(d.ids[d.prefix_offset :])
         texts = decode(seqs) if seqs else []
         for k, (d, _) in enumerate(items):
             d._advance(texts[2 * k], texts[2 * k + 1])
 
     def _advance(self, prefix: str, full: str) -> str:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
+            delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             self.text += delta
@@ -92,9 +95,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: emit whatever is held back, even an incomplete character."""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        delta = full[len(prefix):] if full.startswith(prefix) else ""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        delta = full[len(prefix) :] if full.startswith(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
@@ -108,7 +111,9 @@ def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def encode_continuation(tokenizer: PreTrainedTokenizerBase, text: str, context: Sequence[int] | None = None) -> list[int] | None:
+def encode_continuation(
+    tokenizer: PreTrainedTokenizerBase, text: str, context: Sequence[int] | None = None
+) -> list[int] | None:
     """Token ids that read as ``text`` right after the tokens ``context`` (None: after any
     text); None when no tokenization tried does. A byte-level BPE tokenizes a text the same
     wherever it stands; a SentencePiece one reads it as the start of a text and adds a space
@@ -126,6 +131,6 @@ def encode_continuation(tokenizer: PreTrainedTokenizerBase, text: str, context: 
         return plain
     for anchor in _ANCHORS:
         head, ids = encode(tokenizer, anchor), encode(tokenizer, anchor + text)
-        if ids[:len(head)] == head and reads_right(ids[len(head):]):
-            return ids[len(head):]
+        if ids[: len(head)] == head and reads_right(ids[len(head) :]):
+            return ids[len(head) :]
     return None

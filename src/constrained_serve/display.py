@@ -4,6 +4,7 @@ Both read only the public Result fields (text, json, parsed, finish_reason, stop
 so they work on any object with that shape. Everything taken from the model or the user
 is HTML-escaped: model output is untrusted text inside the notebook page.
 """
+
 from __future__ import annotations
 
 import html

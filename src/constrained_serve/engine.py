@@ -15,12 +15,14 @@ libgomp two teams contending for the cores, 2.5x slower on 2 cores), while the w
 masks in their own processes. ``overlap=False`` sends the fill after the forward: it is the
 reference the overlapped loop must match token for token.
 """
+
 from __future__ import annotations
 
 import copy
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .batch import Batch
 from .cache.manager import KVCacheManager
@@ -33,16 +35,25 @@ from .scheduler import Scheduler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
     from .grammar.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, kv: KVCacheManager, tokenizer: PreTrainedTokenizerBase,
-                 eos_token_ids: set[int], max_model_len: int,
-                 make_grammar: "Callable[[], GrammarManager] | None" = None, overlap: bool = True,
-                 fast_forward: bool = True) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        make_grammar: "Callable[[], GrammarManager] | None" = None,
+        overlap: bool = True,
+        fast_forward: bool = True,
+    ) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.kv = kv
@@ -92,7 +103,9 @@ class EngineCore:
         with sigint_deferred():  # half-released pages would stay lost
             self._abort(r, reason, error, error_type)
 
-    def _abort(self, r: Request, reason: str = "abort", error: str | None = None, error_type: str | None = None) -> None:
+    def _abort(
+        self, r: Request, reason: str = "abort", error: str | None = None, error_type: str | None = None
+    ) -> None:
         if r.finished:
             return
         r.error, r.error_type = error, error_type
@@ -134,8 +147,10 @@ class EngineCore:
     def _ff_room(self, r: Request, last: int | None = None) -> int:
         """How many forced tokens r may take now (0: fast-forward off, or ``last``, the token
         just sampled, ends the request anyway)."""
-        if not self.fast_forward or (last is not None and (last in r.params.stop_token_ids or (
-                not r.params.ignore_eos and last in self.eos_token_ids))):
+        if not self.fast_forward or (
+            last is not None
+            and (last in r.params.stop_token_ids or (not r.params.ignore_eos and last in self.eos_token_ids))
+        ):
             return 0
         return max(0, min(r.params.max_tokens - r.num_output, self.max_model_len - r.num_tokens))
 
@@ -229,8 +244,8 @@ class EngineCore:
             masks, self._masks = self._masks, None
             masks.wait()  # a row whose grammar work failed allows every token; _update fails it
         if inputs.prompt_rows:  # after the sampling rows; scored before penalties touch logits
-            record_prompt_logprobs(logits[len(reqs):], inputs.prompt_rows)
-            logits = logits[:len(reqs)]
+            record_prompt_logprobs(logits[len(reqs) :], inputs.prompt_rows)
+            logits = logits[: len(reqs)]
         tokens, logprobs = self.sampler.sample(logits, reqs, bitmask) if reqs else ([], None)
         self._update(batch, tokens, logprobs)
         self.num_steps += 1
@@ -268,8 +283,13 @@ class EngineCore:
             (constrained if r.matcher is not None else plain).append((r, tok))
         # One round trip for every constrained row: accept the sampled token, then take the
         # tokens the grammar forces next (unless the token ends the request anyway).
-        results = self.grammar.advance([(r.matcher, [tok], self._ff_room(r, tok), r.params.stop_token_ids)
-                                        for r, tok in constrained]) if constrained else []
+        results = (
+            self.grammar.advance(
+                [(r.matcher, [tok], self._ff_room(r, tok), r.params.stop_token_ids) for r, tok in constrained]
+            )
+            if constrained
+            else []
+        )
         emits = [(r, [tok]) for r, tok in plain]
         kept = []
         for (r, tok), res in zip(constrained, results):
@@ -279,8 +299,11 @@ class EngineCore:
                 r.token_ids.pop()
                 if r.logprobs is not None:
                     r.logprobs.pop()
-                why = (self._rejection_message(r, r.num_output) if r.matcher.dead_end else
-                       self._backend_failure(r, r.matcher.failure))
+                why = (
+                    self._rejection_message(r, r.num_output)
+                    if r.matcher.dead_end
+                    else self._backend_failure(r, r.matcher.failure)
+                )
                 self._abort(r, "abort", why, "GrammarError")
                 continue
             emits.append((r, [tok]))
@@ -291,8 +314,11 @@ class EngineCore:
         forced_rows = []
         for r, tok, res in kept:
             if not res.accepted:  # a dead end in the spec: its mask allowed only what it refuses
-                why = (self._rejection_message(r, r.num_output - 1) if res.dead_end else
-                       f"grammar rejected sampled token {tok}, which its own mask allowed")
+                why = (
+                    self._rejection_message(r, r.num_output - 1)
+                    if res.dead_end
+                    else f"grammar rejected sampled token {tok}, which its own mask allowed"
+                )
                 self._abort(r, "abort", why, "GrammarError")
             elif not self._check_stop(r, [tok], res.finished_first):
                 forced_rows.append((r, res))
@@ -305,13 +331,17 @@ class EngineCore:
         """A dead end in the spec (a grammar that matches nothing from here on): its mask
         allowed only EOS, which it does not accept, or nothing at all."""
         kind = r.spec.kind if r.spec is not None else "grammar"
-        return (f"the {kind} spec allows no token after {n_output} output tokens "
-                f"({r.detok.text[-40:]!r}) and does not accept them: it cannot be completed")
+        return (
+            f"the {kind} spec allows no token after {n_output} output tokens "
+            f"({r.detok.text[-40:]!r}) and does not accept them: it cannot be completed"
+        )
 
     @staticmethod
     def _backend_failure(r: Request, reason: str) -> str:
-        return (f"{r.matcher.backend_name} failed after {r.num_output} output tokens "
-                f"({r.detok.text[-40:]!r}): {reason}; the output is incomplete")
+        return (
+            f"{r.matcher.backend_name} failed after {r.num_output} output tokens "
+            f"({r.detok.text[-40:]!r}): {reason}; the output is incomplete"
+        )
 
     def _emit_many(self, rows: list[tuple[Request, list[int]]]) -> None:
         """Push each request's new tokens through its detokenizer (one batched decode for all

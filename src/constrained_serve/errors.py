@@ -1,4 +1,5 @@
 """Typed errors. Every error a user can cause is a ValueError subclass naming the problem."""
+
 from __future__ import annotations
 
 

@@ -14,14 +14,15 @@ short (``EngineCore.step``: it fails every request and forgets the KV cache) ask
 ``interrupt_on_second=True``: a second Ctrl-C during it raises at once. Further presses
 are held back again until the block exits, so the recovery itself is not cut short.
 """
+
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,10 @@ def sigint_deferred(interrupt_on_second: bool = False) -> Iterator[None]:
         if not interrupt_on_second or raised:
             return
         if len(received) == 1:
-            logger.warning("Ctrl-C: stopping after the current step; press it again to "
-                           "interrupt now, failing every unfinished request")
+            logger.warning(
+                "Ctrl-C: stopping after the current step; press it again to "
+                "interrupt now, failing every unfinished request"
+            )
         else:
             raised.append(True)
             previous(signum, frame)  # default_int_handler raises KeyboardInterrupt, here

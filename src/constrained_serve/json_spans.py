@@ -9,12 +9,14 @@ objects while streaming (partial.py) are built on it.
 
 Paths are JSONPath: ``$``, ``$.name``, ``$.items[0]``, ``$["a key"]``.
 """
+
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["Span", "scan"]
 
@@ -68,7 +70,7 @@ class _Scanner:
             else:
                 m = _NUMBER.match(s, i)
                 if m is None:
-                    raise ValueError(f"not JSON at character {i}: {s[i:i + 20]!r}")
+                    raise ValueError(f"not JSON at character {i}: {s[i : i + 20]!r}")
                 value, end = json.loads(m.group()), m.end()
         else:
             for word, v in (("true", True), ("false", False), ("null", None)):
@@ -79,7 +81,7 @@ class _Scanner:
                 end = len(s) if any(w.startswith(s[i:]) for w in ("true", "false", "null")) else i
                 value = _INCOMPLETE
                 if end == i:
-                    raise ValueError(f"not JSON at character {i}: {s[i:i + 20]!r}")
+                    raise ValueError(f"not JSON at character {i}: {s[i : i + 20]!r}")
         self.spans.append(Span(path, i, end, value is not _INCOMPLETE))
         return value, end
 
@@ -90,8 +92,9 @@ class _Scanner:
         except json.JSONDecodeError:
             return _INCOMPLETE, len(self.s)
 
-    def container(self, i: int, path: str, close: str,
-                  part: Callable[[int, str, int, Any], tuple[bool, int]]) -> tuple[Any, int]:
+    def container(
+        self, i: int, path: str, close: str, part: Callable[[int, str, int, Any], tuple[bool, int]]
+    ) -> tuple[Any, int]:
         out: Any = {} if close == "}" else []
         start, j, index = i, self.ws(i + 1), 0
         at = len(self.spans)
@@ -111,7 +114,7 @@ class _Scanner:
             if self.s[j] == close:
                 self.spans[at] = Span(path, start, j + 1, True)
                 return out, j + 1
-            raise ValueError(f"not JSON at character {j}: {self.s[j:j + 20]!r}")
+            raise ValueError(f"not JSON at character {j}: {self.s[j : j + 20]!r}")
 
     def member(self, j: int, path: str, index: int, out: dict) -> tuple[bool, int]:
         j = self.ws(j)

@@ -1,11 +1,13 @@
 """Sampling parameters and output specifications (what the output must look like)."""
+
 from __future__ import annotations
 
 import math
 import numbers
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 OutputKind = Literal["json_schema", "json_object", "regex", "lark", "ebnf", "choices"]
 
@@ -45,8 +47,9 @@ class SamplingParams:
     # KV through the prefix cache. The Result carries the first; Result.samples all n.
     n: int = 1
     # Deadlines of this request's grammar work (None: the engine's grammar_compile_timeout_s,
-    # 10 s, and grammar_mask_timeout_s: 0.5 s with llguidance, 3 s with xgrammar). A compile, or one step's matcher work (a mask,
-    # accepting the sampled token, the forced tokens), that runs longer is killed and the
+    # 10 s, and grammar_mask_timeout_s: 0.5 s with llguidance, 3 s with xgrammar). A compile,
+    # or one step's matcher work (a mask, accepting the sampled token, the forced tokens),
+    # that runs longer is killed and the
     # request fails alone with a GrammarError; the rest of the batch goes on.
     compile_timeout_s: float | None = None
     mask_timeout_s: float | None = None
@@ -79,7 +82,7 @@ class SamplingParams:
             self.top_k = 0
         _check_real("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
         if self.seed is not None:  # mixed into 64-bit per-step seeds: a wider one would wrap
-            _check_int("seed", self.seed, -2**63, "None or an integer in [-2**63, 2**64)", hi=2**64 - 1)
+            _check_int("seed", self.seed, -(2**63), "None or an integer in [-2**63, 2**64)", hi=2**64 - 1)
         if not isinstance(self.field_confidence, bool):
             raise ValueError(f"field_confidence must be True or False, got {self.field_confidence!r}")
         if type(self.ignore_eos).__name__ == "bool_":  # numpy's bool
@@ -95,8 +98,9 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), 0, "None or an integer in [0, 20]", hi=20)
         for name in ("compile_timeout_s", "mask_timeout_s"):
             if getattr(self, name) is not None:
-                _check_real(name, getattr(self, name), 0.0, 3600.0, "None or a number of seconds in (0, 3600]",
-                            open_low=True)
+                _check_real(
+                    name, getattr(self, name), 0.0, 3600.0, "None or a number of seconds in (0, 3600]", open_low=True
+                )
                 setattr(self, name, float(getattr(self, name)))
         # Plain Python numbers from here on (a numpy seed overflowed the per-step seed mix).
         for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "n"):
@@ -133,8 +137,15 @@ def _check_int(name: str, v: Any, lo: int | None, what: str | None = None, hi: i
         raise ValueError(f"{name} must be {what or f'an integer >= {lo}'}, got {v!r}")
 
 
-def _check_real(name: str, v: Any, lo: float, hi: float | None = None, what: str | None = None,
-                open_low: bool = False, open_high: bool = False) -> None:
+def _check_real(
+    name: str,
+    v: Any,
+    lo: float,
+    hi: float | None = None,
+    what: str | None = None,
+    open_low: bool = False,
+    open_high: bool = False,
+) -> None:
     """A finite number in [lo, hi] (or with open ends); bools and strings are refused."""
     try:
         ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
@@ -144,8 +155,9 @@ def _check_real(name: str, v: Any, lo: float, hi: float | None = None, what: str
         ok = ok and math.isfinite(v32)
     except OverflowError:  # an int too large for a float (10**400), or a float for float32
         ok = False
-    ok = ok and all((x > lo if open_low else x >= lo) and (hi is None or (x < hi if open_high else x <= hi))
-                    for x in (v, v32))
+    ok = ok and all(
+        (x > lo if open_low else x >= lo) and (hi is None or (x < hi if open_high else x <= hi)) for x in (v, v32)
+    )
     if not ok:
         raise ValueError(f"{name} must be a finite number {what or f'>= {lo}'}, got {v!r}")
 

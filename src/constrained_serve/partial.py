@@ -7,6 +7,7 @@ field not written yet is absent: ``model_fields_set`` tells which are there, and
 that is not raises AttributeError); for a plain schema, a dict of them. The stream ends with
 the final object, validated as a whole (``Result.parsed``, or ``Result.json`` without a type).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -6,6 +6,7 @@ feed are ``token_ids[num_computed:]``: the rest of a prompt (chunked prefill), t
 sampled last step (decode), or that token plus forced tokens (fast-forward). Preemption just
 resets ``num_computed``; multi-turn append is a prompt that starts with cached history.
 """
+
 from __future__ import annotations
 
 import enum
@@ -107,7 +108,7 @@ class Request:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt:]
+        return self.token_ids[self.num_prompt :]
 
     @property
     def num_output(self) -> int:
@@ -120,5 +121,5 @@ class Request:
     def visible_text(self, final: bool) -> str:
         """The output text a user sees: without the text of a stop token, cut before the
         first stop string (and, while it can still grow, before a tail that may start one)."""
-        text = self.detok.text if self.text_end is None else self.detok.text[:self.text_end]
+        text = self.detok.text if self.text_end is None else self.detok.text[: self.text_end]
         return cut_at_stop(text, self.params.stop, final=final)

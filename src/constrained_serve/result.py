@@ -1,4 +1,5 @@
 """What ``generate`` returns: one ``Result`` per input, in input order."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,8 +14,12 @@ class Usage:
     forced_tokens: int = 0  # output tokens the grammar forced (fast-forward, no decode step)
 
     def to_dict(self) -> dict[str, int]:
-        return dict(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                    completion_tokens=self.completion_tokens, forced_tokens=self.forced_tokens)
+        return dict(
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens,
+            forced_tokens=self.forced_tokens,
+        )
 
 
 @dataclass
@@ -56,8 +61,10 @@ class Result:
         try:
             from .display import result_repr_text
         except ImportError:  # display helpers not available: a plain, still useful repr
-            return (f"Result(finish_reason={self.finish_reason!r}, text={self.text[:80]!r}, "
-                    f"usage={self.usage}, error={self.error!r})")
+            return (
+                f"Result(finish_reason={self.finish_reason!r}, text={self.text[:80]!r}, "
+                f"usage={self.usage}, error={self.error!r})"
+            )
         return result_repr_text(self)
 
     def _repr_html_(self) -> str:

@@ -4,6 +4,7 @@ The runner owns the model and the KV page tensors. ``prepare`` turns a scheduled
 flat input tensors (host work, done before the forward is launched); ``forward`` runs the
 model and returns logits for the rows that sample only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ class ForwardInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_pages: int, page_size: int, device: torch.device,
-                 kv_dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: LlamaModel, num_pages: int, page_size: int, device: torch.device, kv_dtype: torch.dtype
+    ) -> None:
         self.model = model
         self.device = device
         self.page_size = page_size
@@ -39,8 +41,10 @@ class ModelRunner:
         # Head-major storage where the torch attention runs (its gathers then feed batched
         # GEMMs directly); the Triton kernels' page-major layout elsewhere. See kv_layout.py.
         head_major = not use_triton(device)
+
         def pool() -> torch.Tensor:
             return allocate_pool(num_pages, page_size, a.num_kv_heads, a.head_dim, kv_dtype, device, head_major)
+
         self.kv_caches = [(pool(), pool()) for _ in range(a.num_layers)]
         self.tokens_computed = 0  # total tokens run through the model (tests assert on it)
 
@@ -121,5 +125,4 @@ class ModelRunner:
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits [num_sampling_rows, vocab] (fp32). On CUDA this returns before the GPU is done."""
         self.tokens_computed += int(inputs.input_ids.shape[0])
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                          inputs.logits_indices)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)

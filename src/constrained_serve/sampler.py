@@ -5,6 +5,7 @@ grammar bitmask is applied inside the sampling kernel, before temperature and
 top-k/top-p/min-p. Seeds are mixed with the token position, so a seeded request draws the
 same tokens whatever else shares the batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,14 +66,16 @@ def logprob_entries(lp: torch.Tensor, targets: list[int], ks: list[int]) -> list
     if max(ks):
         values, ids = lp.topk(max(ks), dim=-1)
         top_values, top_ids = values.tolist(), ids.tolist()
-    return [{t: v, **dict(zip(top_ids[j][:k], top_values[j][:k]))}
-            for j, (t, v, k) in enumerate(zip(targets, picked, ks))]
+    return [
+        {t: v, **dict(zip(top_ids[j][:k], top_values[j][:k]))} for j, (t, v, k) in enumerate(zip(targets, picked, ks))
+    ]
 
 
 @dataclass
 class RawLogprobs:
     """log_softmax of the raw logits of the rows whose request asked for logprobs, kept
     until the step's tokens are known."""
+
     rows: list[int]  # batch rows that asked
     logprobs: torch.Tensor  # [len(rows), V] fp32
     ks: list[int]  # per asking row, how many most likely tokens it wants (params.logprobs)
@@ -109,8 +112,9 @@ class Sampler:
         self.device = device
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: list[Request],
-               bitmask: torch.Tensor | None) -> tuple[list[int], list[dict[int, float] | None] | None]:
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], bitmask: torch.Tensor | None
+    ) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Tokens, and per row the logprobs its request asked for (None when no row asked)."""
         raw = RawLogprobs.of(logits, requests)  # before the penalties change the logits
         tokens = self(logits, requests, bitmask)
@@ -134,6 +138,7 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
         min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
         seeds = torch.tensor([step_seed(r.seed, r.num_tokens) for r in requests], dtype=torch.int64)
-        tokens = dispatch.sample(logits, bitmask, temperature.to(dev), top_k.to(dev), top_p.to(dev),
-                                 min_p.to(dev), seeds.to(dev))
+        tokens = dispatch.sample(
+            logits, bitmask, temperature.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), seeds.to(dev)
+        )
         return tokens.tolist()

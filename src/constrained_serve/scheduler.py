@@ -8,14 +8,15 @@ freezes them (Sarathi-Serve). When pages run out, the KV manager first evicts un
 prefixes; if that is not enough the newest running request is preempted (its pages freed,
 recomputed later) — never a deadlock, never a crash.
 """
+
 from __future__ import annotations
 
 import logging
 from collections import deque
 
+from .batch import Batch, ScheduledChunk
 from .cache.manager import KVCacheManager
 from .request import Request, Status
-from .batch import Batch, ScheduledChunk
 
 logger = logging.getLogger(__name__)
 

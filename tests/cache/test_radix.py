@@ -1,4 +1,5 @@
 """Unit tests of RadixCache; the randomized workload lives in test_radix_workload.py."""
+
 from __future__ import annotations
 
 import pytest

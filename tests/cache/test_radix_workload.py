@@ -7,6 +7,7 @@ failures evict from the cache. After every operation the pool, the tree and the 
 are checked, and a shadow copy of each page's "KV content" (the token ids written into it)
 proves that the cache only ever hands out pages holding exactly the matched tokens.
 """
+
 from __future__ import annotations
 
 import random

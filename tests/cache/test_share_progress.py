@@ -5,6 +5,7 @@ by token, publishing each completed page, while others finish, get evicted from 
 the cache. A shadow of each page's content (the token ids written into it) proves that a
 request's page table always holds its own tokens, whichever copy of a page it ends up with.
 """
+
 from __future__ import annotations
 
 import random
@@ -35,8 +36,9 @@ def _check_content(kv: KVCacheManager, running: list[Request], content: dict[int
     kv.check_integrity(running)
     for r in running:
         for j in range(r.num_computed // PS):
-            assert content[r.pages[j]] == tuple(r.token_ids[j * PS:(j + 1) * PS]), (
-                f"request {r.request_id} page {j} holds other tokens")
+            assert content[r.pages[j]] == tuple(r.token_ids[j * PS : (j + 1) * PS]), (
+                f"request {r.request_id} page {j} holds other tokens"
+            )
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -1,4 +1,5 @@
 """Shared fixtures: the real default tokenizer (loaded once) and one manager per backend."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Python types the grammar tests turn into JSON Schemas (shared by test_spec and test_backends)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel

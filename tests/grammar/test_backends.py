@@ -1,4 +1,5 @@
 """Both grammar engines through the common interface, with the real SmolLM2 tokenizer."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -19,9 +20,11 @@ EOS = 2
 
 from grammar_test_types import Person, Point  # noqa: E402
 
-
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 # (spec kwargs, accepted texts, rejected texts)
 CASES = {
@@ -29,13 +32,18 @@ CASES = {
     "lark": ({"grammar": 'start: "(" num ("," num)* ")"\nnum: /[0-9]+/'}, ["(1)", "(12,3,456)"], ["()", "(1,)", "1"]),
     "ebnf": ({"grammar": 'root ::= "x" [0-9]+ ("!" | "?")', "grammar_syntax": "ebnf"}, ["x1!", "x42?"], ["x!", "y1!"]),
     "choices": ({"choices": ["yes", "no", "maybe so"]}, ["yes", "no", "maybe so"], ["ye", "yess", "No"]),
-    "json_schema": ({"schema": PERSON}, ['{"name":"Bob","age":42}', '{"name":"","age":-1}'],
-                    ['{"age":42,"name":"Bob"}', '{"name":"Bob"}', '{"name":"Bob","age":4.5}',
-                     '{"name": "Bob","age":42}']),
-    "json_object": ({"response_format": {"type": "json_object"}}, ['{}', '{"a":[1,{"b":null}]}'], ['[]', '"x"', '{']),
+    "json_schema": (
+        {"schema": PERSON},
+        ['{"name":"Bob","age":42}', '{"name":"","age":-1}'],
+        ['{"age":42,"name":"Bob"}', '{"name":"Bob"}', '{"name":"Bob","age":4.5}', '{"name": "Bob","age":42}'],
+    ),
+    "json_object": ({"response_format": {"type": "json_object"}}, ["{}", '{"a":[1,{"b":null}]}'], ["[]", '"x"', "{"]),
     "pydantic": ({"schema": Person}, ['{"name":"A","age":1}'], ['{"name":"A"}']),
-    "list_model": ({"schema": list[Person]}, ['[]', '[{"name":"A","age":1},{"name":"B","age":2}]'],
-                   ['[{"name":"A"}]', '{"name":"A","age":1}']),
+    "list_model": (
+        {"schema": list[Person]},
+        ["[]", '[{"name":"A","age":1},{"name":"B","age":2}]'],
+        ['[{"name":"A"}]', '{"name":"A","age":1}'],
+    ),
     "typeddict": ({"schema": Point}, ['{"x":1,"y":-2}'], ['{"x":1}', '{"y":1,"x":2}']),
 }
 
@@ -207,13 +215,16 @@ def test_concurrent_compiles_of_one_spec_share_work(tokenizer):
         mgr.close()
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"schema": {"$ref": "#/$defs/missing"}},
-    {"schema": {"type": "string", "pattern": "(?=a)b"}},
-    {"regex": "a(b"},
-    {"grammar": "start: undefined_rule"},
-    {"grammar": "root ::= \"a\" undefined_rule", "grammar_syntax": "ebnf"},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"schema": {"$ref": "#/$defs/missing"}},
+        {"schema": {"type": "string", "pattern": "(?=a)b"}},
+        {"regex": "a(b"},
+        {"grammar": "start: undefined_rule"},
+        {"grammar": 'root ::= "a" undefined_rule', "grammar_syntax": "ebnf"},
+    ],
+)
 def test_bad_specs_raise_grammar_error(manager, backend, kwargs):
     fut = manager.compile_async(make_output_spec(**kwargs), backend)
     assert isinstance(fut, cf.Future)
@@ -236,9 +247,14 @@ def test_strict_refuses_approximation(manager, backend, caplog):
 # the second hides its oneOf where only a $ref reaches it (no "definitions/<name>" schema).
 OVERLAPPING_ONE_OF = [
     {"oneOf": [{"type": "integer"}, {"type": "number"}]},
-    {"definitions": {"a": {"b": {"oneOf": [{"$ref": "#/definitions/c"}, {"type": "string", "maxLength": 3}]}},
-                     "c": {"type": "string"}},
-     "type": "object", "properties": {"x": {"$ref": "#/definitions/a/b"}}},
+    {
+        "definitions": {
+            "a": {"b": {"oneOf": [{"$ref": "#/definitions/c"}, {"type": "string", "maxLength": 3}]}},
+            "c": {"type": "string"},
+        },
+        "type": "object",
+        "properties": {"x": {"$ref": "#/definitions/a/b"}},
+    },
 ]
 
 
@@ -254,11 +270,17 @@ def test_strict_refuses_overlapping_one_of(manager, backend, schema):
 
 def _discriminated_union(second_kind: str, typed: bool = True) -> dict:
     def branch(kind: str, field: str) -> dict:
-        b = {"properties": {"kind": {"const": kind}, field: {"type": "integer"}}, "required": ["kind", field],
-             "additionalProperties": False}
+        b = {
+            "properties": {"kind": {"const": kind}, field: {"type": "integer"}},
+            "required": ["kind", field],
+            "additionalProperties": False,
+        }
         return {"type": "object", **b} if typed else b
-    return {"$defs": {"Cat": branch("cat", "lives"), "Dog": branch(second_kind, "good")},
-            "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}
+
+    return {
+        "$defs": {"Cat": branch("cat", "lives"), "Dog": branch(second_kind, "good")},
+        "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+    }
 
 
 def test_discriminated_one_of_is_exact_for_the_xgrammar_check():
@@ -272,7 +294,7 @@ def test_discriminated_one_of_is_exact_for_the_xgrammar_check():
 
 
 def test_pydantic_discriminated_union_compiles_in_both(manager, backend, tokenizer):
-    from typing import Annotated, Literal, Union
+    from typing import Annotated, Literal
 
     from pydantic import BaseModel, Field
 
@@ -285,7 +307,7 @@ def test_pydantic_discriminated_union_compiles_in_both(manager, backend, tokeniz
         good: bool
 
     class Pet(BaseModel):
-        pet: Annotated[Union[Cat, Dog], Field(discriminator="kind")]
+        pet: Annotated[Cat | Dog, Field(discriminator="kind")]
 
     compiled = manager.compile(make_output_spec(schema=Pet), backend)
     for text, ok in (('{"pet":{"kind":"dog","good":true}}', True), ('{"pet":{"kind":"cat","good":true}}', False)):
@@ -312,8 +334,10 @@ def test_whitespace_flag(manager, backend, tokenizer):
 def test_compile_timeout_is_bounded(tokenizer, backend):
     # Deadlines count CPU time in 10 ms ticks: a compile of >= 70 ms here (llguidance needs 1000 properties)
     n = 1000 if backend == "llguidance" else 200
-    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,20}@[a-z]{2,9}"}
-                                            for i in range(n)}}
+    big = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,20}@[a-z]{2,9}"} for i in range(n)},
+    }
     mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend=backend, max_workers=1, compile_timeout_s=1e-4)
     try:
         with pytest.raises(GrammarError, match="longer than") as err:
@@ -323,13 +347,17 @@ def test_compile_timeout_is_bounded(tokenizer, backend):
         mgr.close()
 
 
-@pytest.mark.parametrize("grammar,texts", [
-    ('start: A "c"?\nA: /a|ab|abc/', ["a", "ab", "abc", "abcc", "ac"]),
-    ("start: NUMBER\nNUMBER: /[0-9]+|[0-9]+\\.[0-9]+/", ["3", "3.14"]),
-    ("start: NUMBER\nNUMBER: /-?[0-9]+(\\.[0-9]+)?|-?[0-9]+e[0-9]+/", ["1e5", "-2.5"]),
-    ("start: ID OP ID\nOP: /<|<=|==/\nID: /[a-z]+/", ["a<=b", "a<b", "x==y"]),
-    ('start: /a|aa/ "b"', ["ab", "aab"]),
-], ids=["prefixes", "number", "exponent", "operator", "anonymous"])
+@pytest.mark.parametrize(
+    "grammar,texts",
+    [
+        ('start: A "c"?\nA: /a|ab|abc/', ["a", "ab", "abc", "abcc", "ac"]),
+        ("start: NUMBER\nNUMBER: /[0-9]+|[0-9]+\\.[0-9]+/", ["3", "3.14"]),
+        ("start: NUMBER\nNUMBER: /-?[0-9]+(\\.[0-9]+)?|-?[0-9]+e[0-9]+/", ["1e5", "-2.5"]),
+        ("start: ID OP ID\nOP: /<|<=|==/\nID: /[a-z]+/", ["a<=b", "a<b", "x==y"]),
+        ('start: /a|aa/ "b"', ["ab", "aab"]),
+    ],
+    ids=["prefixes", "number", "exponent", "operator", "anonymous"],
+)
 def test_lark_regex_alternations_read_longest_match(manager, backend, grammar, texts):
     # Both backends read a terminal's regex as a regular language (longest match wins):
     # "3.14" is a NUMBER. Plain lark, on Python's re, takes the first alternative that
@@ -359,8 +387,12 @@ def test_lark_earley_check_is_time_bounded(caplog):
 # the same grammar written so that its terminal cannot swallow what follows, a text all take)
 GREEDY_TERMINALS = [
     ('start: WORD "s"\nWORD: /[a-z]+/', "cats", "start: WORD_S\nWORD_S: /[a-z]+s/", "cats"),
-    ('start: "x" "y"\nCOMMENT: /#[^\\n]*/\n%ignore COMMENT', "x#zy",
-     'start: "x" "y"\nCOMMENT: /#[^\\n]*\\n/\n%ignore COMMENT', "x#z\ny"),
+    (
+        'start: "x" "y"\nCOMMENT: /#[^\\n]*/\n%ignore COMMENT',
+        "x#zy",
+        'start: "x" "y"\nCOMMENT: /#[^\\n]*\\n/\n%ignore COMMENT',
+        "x#z\ny",
+    ),
 ]
 
 
@@ -380,8 +412,13 @@ def test_greedy_lark_terminals(manager, grammar, swallowed, fixed, text):
 
 
 def test_xgrammar_eager_masks_option(tokenizer):
-    mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend="xgrammar", max_workers=1,
-                         backend_options={"xgrammar": {"lazy_masks": False}})
+    mgr = GrammarManager(
+        tokenizer,
+        MODEL_VOCAB,
+        default_backend="xgrammar",
+        max_workers=1,
+        backend_options={"xgrammar": {"lazy_masks": False}},
+    )
     try:
         m = mgr.new_matcher(mgr.compile(make_output_spec(schema=PERSON)))
         assert m.accept_tokens(encode(tokenizer, '{"name":"a","age":1}')) and m.can_end()
@@ -402,8 +439,15 @@ XGRAMMAR_DROPS = [
     ({"type": "object", "properties": {"o": {"type": "object", "required": ["k"]}}, "required": ["o"]}, '{"o":{}}'),
     ({"anyOf": [{"type": "number"}, {"type": "null"}], "minimum": 0}, "-1"),
     # patternProperties next to properties is ignored (JSONSchemaBench wp_91 accepted "k":-2)
-    ({"type": "object", "properties": {"b": {"type": "string"}}, "patternProperties": {".*": {"type": "string"}},
-      "required": ["b"]}, '{"b":"a","k":-2}'),
+    (
+        {
+            "type": "object",
+            "properties": {"b": {"type": "string"}},
+            "patternProperties": {".*": {"type": "string"}},
+            "required": ["b"],
+        },
+        '{"b":"a","k":-2}',
+    ),
 ]
 
 
@@ -420,12 +464,15 @@ def test_xgrammar_strict_refuses_keywords_it_would_drop(manager, schema, text):
     assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
 
 
-@pytest.mark.parametrize("pattern, yes, no", [
-    ("^\\W+$", ["é", "٣", "!"], ["a", "_", "5"]),
-    ("^\\D+$", ["é", "٣", "a"], ["5"]),
-    ("^[^\\w]+$", ["é", " "], ["a"]),
-    ("^[a\\D]+$", ["a٣"], ["a5"]),
-])
+@pytest.mark.parametrize(
+    "pattern, yes, no",
+    [
+        ("^\\W+$", ["é", "٣", "!"], ["a", "_", "5"]),
+        ("^\\D+$", ["é", "٣", "a"], ["5"]),
+        ("^[^\\w]+$", ["é", " "], ["a"]),
+        ("^[a\\D]+$", ["a٣"], ["a5"]),
+    ],
+)
 def test_schema_patterns_read_w_and_d_as_ecma_262_in_both(manager, backend, pattern, yes, no):
     """A JSON Schema pattern is ECMA-262, whose \\w and \\d are ASCII: their complements take
     "é" and "٣". Both backends read it so, so xgrammar is no longer refused these under strict
@@ -442,11 +489,14 @@ def test_schema_patterns_read_w_and_d_as_ecma_262_in_both(manager, backend, patt
         assert not manager.matches(compiled, json.dumps(text)), (pattern, text)
 
 
-@pytest.mark.parametrize("schema", [
-    {"type": "string", "enum": ["abc", "xyz"], "minLength": 3},  # every enum value obeys
-    {"type": "array", "items": {"type": "integer"}, "required": ["0"]},  # required only binds objects
-    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "enum": ["abc", "xyz"], "minLength": 3},  # every enum value obeys
+        {"type": "array", "items": {"type": "integer"}, "required": ["0"]},  # required only binds objects
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    ],
+)
 def test_xgrammar_strict_keeps_exact_schemas(manager, schema):
     assert not manager.compile(make_output_spec(schema=schema), "xgrammar").warnings
 
@@ -460,21 +510,47 @@ def test_xgrammar_regex_means_what_python_means(manager):
     assert manager.matches(c, "abc") and not manager.matches(c, "a\nc")
     # Anchors at the edges of the text are exact (xgrammar ignores them); \A and \Z, which it
     # read as letters, become ^ and $.
-    for rx, yes, no in ((r"\Aab\Z", "ab", "AabZ"), ("^a$|^b$", "b", "ab"), ("(^a|^b)c", "bc", "c"),
-                        (r"[\^x]a", "^a", "1a"), (r"[\^]a", "^a", "1a"), ("(?:^x)?y{1,3}", "xyy", "xxy")):
+    for rx, yes, no in (
+        (r"\Aab\Z", "ab", "AabZ"),
+        ("^a$|^b$", "b", "ab"),
+        ("(^a|^b)c", "bc", "c"),
+        (r"[\^x]a", "^a", "1a"),
+        (r"[\^]a", "^a", "1a"),
+        ("(?:^x)?y{1,3}", "xyy", "xxy"),
+    ):
         c = manager.compile(make_output_spec(regex=rx), "xgrammar")
         assert manager.matches(c, yes) and not manager.matches(c, no), rx
     # An anchor inside the text (a^b matched "ab"), \G and inline flags are refused; so are
     # \W, \D and negated classes with \w/\d, which xgrammar reads as ASCII complements ("é").
-    for rx in ("a^b", "a$b", "(a$|b)c", r"a\G", "(?s:a.b)", "(^a)+", "(?:^a|b)*", r"\W", r"a\D+", r"[^\w]",
-               r"[x\W]", r"[^a\d]"):
+    for rx in (
+        "a^b",
+        "a$b",
+        "(a$|b)c",
+        r"a\G",
+        "(?s:a.b)",
+        "(^a)+",
+        "(?:^a|b)*",
+        r"\W",
+        r"a\D+",
+        r"[^\w]",
+        r"[x\W]",
+        r"[^a\d]",
+    ):
         with pytest.raises(GrammarError, match="as Python reads it"):
             manager.compile(make_output_spec(regex=rx), "xgrammar")
 
 
-@pytest.mark.parametrize("rx, text", [
-    (r"\W+", "é"), (r"a\D", "a٣"), (r"[^\w]", "é"), ("a^b", "ab"), ("(^a)+", "aa"), ("(a$|b)c", "ac"),
-])
+@pytest.mark.parametrize(
+    "rx, text",
+    [
+        (r"\W+", "é"),
+        (r"a\D", "a٣"),
+        (r"[^\w]", "é"),
+        ("a^b", "ab"),
+        ("(^a)+", "aa"),
+        ("(a$|b)c", "ac"),
+    ],
+)
 def test_xgrammar_strict_false_accepts_its_looser_regex_reading(manager, caplog, rx, text):
     """What xgrammar reads only more loosely than Python (ASCII \\W; anchors it ignores) is an
     error under strict=True and, under strict=False, compiles with a warning, as a schema
@@ -495,14 +571,17 @@ def test_xgrammar_refuses_regexes_it_would_read_otherwise_even_when_not_strict(m
         manager.compile(make_output_spec(regex=rx, strict=False), "xgrammar")
 
 
-@pytest.mark.parametrize("grammar, text, other", [
-    ('root ::= "\\x41B"', "AB", "Л"),  # \x takes exactly two hex digits (xgrammar read "\x41B" as U+041B)
-    ('root ::= "caf\\u00e9" [\\u0041-\\u005A]', "caféQ", "cafeQ"),  # \u, which llguidance refused
-    ('root ::= "\\U0001F600" [\\x5D\\x2D]', "😀-", "😀x"),
-    ('root ::= "\\x22" [^\\x00-\\x1F"]+ "\\x22"  # a comment with "\\x41B"', '"ok"', '"o"k"'),
-    ('root ::= [\\x2D\\x30-\\x39]+', "-12", "a"),  # an escaped "-" next to a hex-digit escape
-    ('root ::= "\\x01\\x41" [\\u002Df]', "\x01A-", "\x1a-"),
-])
+@pytest.mark.parametrize(
+    "grammar, text, other",
+    [
+        ('root ::= "\\x41B"', "AB", "Л"),  # \x takes exactly two hex digits (xgrammar read "\x41B" as U+041B)
+        ('root ::= "caf\\u00e9" [\\u0041-\\u005A]', "caféQ", "cafeQ"),  # \u, which llguidance refused
+        ('root ::= "\\U0001F600" [\\x5D\\x2D]', "😀-", "😀x"),
+        ('root ::= "\\x22" [^\\x00-\\x1F"]+ "\\x22"  # a comment with "\\x41B"', '"ok"', '"o"k"'),
+        ("root ::= [\\x2D\\x30-\\x39]+", "-12", "a"),  # an escaped "-" next to a hex-digit escape
+        ('root ::= "\\x01\\x41" [\\u002Df]', "\x01A-", "\x1a-"),
+    ],
+)
 def test_gbnf_escapes_mean_what_llama_cpp_means(manager, backend, grammar, text, other):
     c = manager.compile(make_output_spec(grammar=grammar, grammar_syntax="gbnf"), backend)
     assert manager.matches(c, text) and not manager.matches(c, other)
@@ -530,9 +609,8 @@ def test_forced_tokens_with_a_sentencepiece_tokenizer(sentencepiece_model_dirs, 
         assert m.accept_tokens(forced[name])
         gm.close()
     assert tok.decode([tok.bos_token_id] + forced["xgrammar"], skip_special_tokens=True).startswith('{"name":')
-    assert forced["xgrammar"] and forced["xgrammar"] == forced["llguidance"][:len(forced["xgrammar"])]
+    assert forced["xgrammar"] and forced["xgrammar"] == forced["llguidance"][: len(forced["xgrammar"])]
     assert "▁" not in tok.convert_ids_to_tokens(forced["xgrammar"])[0]
-
 
 
 def test_xgrammar_special_tokens_are_not_text(manager, tokenizer):

@@ -4,6 +4,7 @@ JSONSchemaBench: recomputed for both backends and compared with the committed ba
 (``benchmarks/conformance.py --write-baseline``): any regression fails. JSON-Schema-Test-Suite:
 every schema compiles or is refused with GrammarError, within the compile bound.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,8 @@ def test_jsonschemabench_no_regression():
     ll = results["llguidance"].values()
     valid = sum(r["valid_accepted"] for r in ll if r["compiled"]) / sum(r["valid_total"] for r in ll if r["compiled"])
     invalid = sum(r["invalid_rejected"] for r in ll if r["compiled"]) / sum(
-        r["invalid_total"] for r in ll if r["compiled"])
+        r["invalid_total"] for r in ll if r["compiled"]
+    )
     assert valid >= 0.95 and invalid >= 0.95, (valid, invalid)
     assert elapsed < 240, f"conformance took {elapsed:.0f} s (budget 240 s)"
 

@@ -2,6 +2,7 @@
 
 On such a rule xgrammar's jump-forward search never returned and grew in memory without
 bound (fast-forward called it): one recursive required property took the engine down."""
+
 from __future__ import annotations
 
 import json
@@ -18,16 +19,19 @@ BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemaben
 RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 
 
-@pytest.mark.parametrize("grammar, stuck", [
-    (xgr.Grammar.from_ebnf('root ::= "a" root'), ["root"]),
-    (xgr.Grammar.from_ebnf('root ::= "q" | "x" y\ny ::= "{" y "}"'), ["y"]),
-    (xgr.Grammar.from_ebnf('root ::= "x" y+\ny ::= "a" y'), ["root", "root_1", "y"]),  # y+ is root_1
-    (xgr.Grammar.from_ebnf('root ::= "x" y*\ny ::= "a" y'), ["y"]),
-    (xgr.Grammar.from_ebnf('root ::= "x" y{0,3} | "z"\ny ::= "a" | "b" y'), []),
-    (xgr.Grammar.from_json_schema(json.dumps(RECURSIVE)), ["root", "root_prop_0"]),
-    (xgr.Grammar.from_json_schema(json.dumps({**RECURSIVE, "required": []})), []),
-    (xgr.Grammar.from_regex("(ab)+c{2,3}[x-z]?"), []),
-])
+@pytest.mark.parametrize(
+    "grammar, stuck",
+    [
+        (xgr.Grammar.from_ebnf('root ::= "a" root'), ["root"]),
+        (xgr.Grammar.from_ebnf('root ::= "q" | "x" y\ny ::= "{" y "}"'), ["y"]),
+        (xgr.Grammar.from_ebnf('root ::= "x" y+\ny ::= "a" y'), ["root", "root_1", "y"]),  # y+ is root_1
+        (xgr.Grammar.from_ebnf('root ::= "x" y*\ny ::= "a" y'), ["y"]),
+        (xgr.Grammar.from_ebnf('root ::= "x" y{0,3} | "z"\ny ::= "a" | "b" y'), []),
+        (xgr.Grammar.from_json_schema(json.dumps(RECURSIVE)), ["root", "root_prop_0"]),
+        (xgr.Grammar.from_json_schema(json.dumps({**RECURSIVE, "required": []})), []),
+        (xgr.Grammar.from_regex("(ab)+c{2,3}[x-z]?"), []),
+    ],
+)
 def test_rules_that_cannot_end(grammar, stuck):
     assert rules_without_finite_text(str(grammar)) == stuck
 
@@ -49,8 +53,11 @@ def test_no_jsonschemabench_schema_is_refused():
     read = 0
     for p in files[::8]:  # every 8th: the biggest grammars take 0.3 s each
         try:
-            g = str(xgr.Grammar.from_json_schema(json.dumps(json.loads(p.read_text()).get("schema")),
-                                                 any_whitespace=False, strict_mode=False))
+            g = str(
+                xgr.Grammar.from_json_schema(
+                    json.dumps(json.loads(p.read_text()).get("schema")), any_whitespace=False, strict_mode=False
+                )
+            )
         except Exception:  # noqa: BLE001 - not convertible: nothing to check
             continue
         result = rules_without_finite_text(g)
@@ -59,9 +66,11 @@ def test_no_jsonschemabench_schema_is_refused():
     assert read > 100
 
 
-@pytest.mark.parametrize("spec", [dict(grammar='start: "a" start'), dict(schema=RECURSIVE),
-                                  dict(grammar='start: "q" | "x" y\ny: "{" y "}"')],
-                         ids=["lark", "schema", "branch"])
+@pytest.mark.parametrize(
+    "spec",
+    [dict(grammar='start: "a" start'), dict(schema=RECURSIVE), dict(grammar='start: "q" | "x" y\ny: "{" y "}"')],
+    ids=["lark", "schema", "branch"],
+)
 def test_xgrammar_refuses_them_at_submit(tiny_engine_factory, spec):
     """Refused before any model work (the engine used to hang in fast-forward, memory
     growing by gigabytes)."""
@@ -70,6 +79,7 @@ def test_xgrammar_refuses_them_at_submit(tiny_engine_factory, spec):
 
     with pytest.raises(GrammarError, match="never"):
         eng.generate(["x"], SamplingParams(max_tokens=6), grammar_backend="xgrammar", **spec)
-    [ok] = eng.generate(["x"], SamplingParams(max_tokens=6), grammar_backend="xgrammar",
-                        grammar='start: "q" | "x" y\ny: "{" y? "}"')
+    [ok] = eng.generate(
+        ["x"], SamplingParams(max_tokens=6), grammar_backend="xgrammar", grammar='start: "q" | "x" y\ny: "{" y? "}"'
+    )
     assert ok.finish_reason in ("stop", "length")

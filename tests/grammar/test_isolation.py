@@ -6,6 +6,7 @@ with that pair reached only after the first token it spins mid-generation, holdi
 ``compute_ff_tokens`` and growing ~10 MB/s in ``compute_mask``. Each test has a wall-clock
 bound (pytest-timeout) and checks its own timings: it fails, it does not hang.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,11 +24,15 @@ MODEL_VOCAB = 49152
 HANG_AFTER_FIRST = 'start: c y\nc: "q" | "x"\ny: "{" A B "}"\nA: /a+/\nB: /a/\n'
 # The issue's example: the spin comes only after "x"; "q" ends the output.
 HANG_AFTER_X = 'start: "q" | "x" y\ny: "{" A B "}"\nA: /a+/\nB: /a/\n'
-HANG_AT_COMPILE = 'start: A B\nA: /a+/\nB: /a/\n'
+HANG_AT_COMPILE = "start: A B\nA: /a+/\nB: /a/\n"
 # A string pattern whose derivatives llguidance's lexer must count: past a few dozen words it
 # hits "too many expressions constructed", which breaks the lexer its matchers share.
-POISON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["s"],
-                 "properties": {"s": {"type": "string", "maxLength": 500, "pattern": "^(?:\\S+\\s+){0,49}\\S+$"}}}
+POISON_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["s"],
+    "properties": {"s": {"type": "string", "maxLength": 500, "pattern": "^(?:\\S+\\s+){0,49}\\S+$"}},
+}
 
 
 def rss_kb(pid: int) -> int:
@@ -99,7 +104,7 @@ def test_compile_runaway_is_killed_and_its_shape_refused_at_once(tokenizer):
             mgr.compile(make_output_spec(grammar=HANG_AT_COMPILE))
         assert first.value.reason == "timeout" and 1.0 <= time.monotonic() - t0 < 8
         # Retries, and trivial edits of it (same shape), are refused without compiling.
-        for g in (HANG_AT_COMPILE, 'start: A B\nA: /b+/\nB: /b/\n', 'start:  A  B\nA: /zz+/\nB: /z/\n'):
+        for g in (HANG_AT_COMPILE, "start: A B\nA: /b+/\nB: /b/\n", "start:  A  B\nA: /zz+/\nB: /z/\n"):
             t0 = time.monotonic()
             with pytest.raises(GrammarError, match="same shape") as again:
                 mgr.compile_async(make_output_spec(grammar=g)).result(timeout=1)
@@ -197,13 +202,16 @@ def test_a_worker_killed_from_outside_is_restarted_and_its_matchers_rebuilt(mgr,
     assert pid not in mgr.worker_pids()
 
 
-@pytest.mark.parametrize("wall, cpu, killed", [
-    (0.6, 1.2, False),   # two threads busy for 0.6 s: 1.2 s of CPU, but it has not run 1 s yet
-    (1.2, 0.3, False),   # waited for a core (busy machine, paused VM): little CPU used
-    (1.2, 1.2, True),    # a runaway on one core: both past the deadline
-    (1.1, 2.2, True),    # a runaway on two cores
-    (8.1, 0.0, True),    # blocked without spinning: cut at 3x the deadline + 5 s of wall time
-])
+@pytest.mark.parametrize(
+    "wall, cpu, killed",
+    [
+        (0.6, 1.2, False),  # two threads busy for 0.6 s: 1.2 s of CPU, but it has not run 1 s yet
+        (1.2, 0.3, False),  # waited for a core (busy machine, paused VM): little CPU used
+        (1.2, 1.2, True),  # a runaway on one core: both past the deadline
+        (1.1, 2.2, True),  # a runaway on two cores
+        (8.1, 0.0, True),  # blocked without spinning: cut at 3x the deadline + 5 s of wall time
+    ],
+)
 def test_an_item_overruns_when_both_its_wall_and_cpu_time_pass_the_deadline(wall, cpu, killed):
     from constrained_serve.grammar import worker
 

@@ -1,4 +1,5 @@
 """The bounded matcher of the final conformance check answers as ``re`` does (differential)."""
+
 from __future__ import annotations
 
 import random
@@ -11,14 +12,94 @@ from constrained_serve.grammar.regex_check import ecma_search, python_fullmatch
 
 # Pieces where the regex package reads the same text otherwise than re: the class escapes,
 # braces that are no quantifier, "[" inside a class, comments; and ordinary syntax around them.
-ATOMS = [r"\w", r"\W", r"\d", r"\D", r"\s", r"\S", ".", "a", "é", r"[\w-]", r"[^\w]", r"[a\D]", r"[^\s\d]",
-         "[a[:digit:]]", "[]a]", "[^]a]", "{", "}", "a{e<=1}", "x{1,2}", "{,}", "(?s:.)", "(?m:^)", "$", "^",
-         r"\Z", r"\A", r"\N{DIGIT ONE}", r"[\N{DIGIT ONE}-9]", r"(?#[c\w)", r"\u0663", r"\x41", r"\.", "[.]",
-         "(?:ab|a)", "(a)", r"\1", "(?P<n>a)", "(?P=n)", "(?=a)", "(?!a)", "(?<=a)", "a++", "(?>a+)", r"[\b]",
-         r"\-", "[--a]", "[a-]", r"[\]]", r"\\w", r"[\\w]", r"\x5cw", "(?u)"]
+ATOMS = [
+    r"\w",
+    r"\W",
+    r"\d",
+    r"\D",
+    r"\s",
+    r"\S",
+    ".",
+    "a",
+    "é",
+    r"[\w-]",
+    r"[^\w]",
+    r"[a\D]",
+    r"[^\s\d]",
+    "[a[:digit:]]",
+    "[]a]",
+    "[^]a]",
+    "{",
+    "}",
+    "a{e<=1}",
+    "x{1,2}",
+    "{,}",
+    "(?s:.)",
+    "(?m:^)",
+    "$",
+    "^",
+    r"\Z",
+    r"\A",
+    r"\N{DIGIT ONE}",
+    r"[\N{DIGIT ONE}-9]",
+    r"(?#[c\w)",
+    r"\u0663",
+    r"\x41",
+    r"\.",
+    "[.]",
+    "(?:ab|a)",
+    "(a)",
+    r"\1",
+    "(?P<n>a)",
+    "(?P=n)",
+    "(?=a)",
+    "(?!a)",
+    "(?<=a)",
+    "a++",
+    "(?>a+)",
+    r"[\b]",
+    r"\-",
+    "[--a]",
+    "[a-]",
+    r"[\]]",
+    r"\\w",
+    r"[\\w]",
+    r"\x5cw",
+    "(?u)",
+]
 QUANTIFIERS = ["", "", "*", "+", "?", "{2}", "*?", "{0,2}"]
-CHARS = ["a", "b", "é", "٣", "1", "_", " ", "\n", "\x1c", "\ufeff", "\u2028", "\xa0", "\u0300", "ि", "{", "}",
-         "[", "]", ":", "-", "\x08", "\ud800", "A", "²", "e", "<", "=", "x", "\\", "w"]
+CHARS = [
+    "a",
+    "b",
+    "é",
+    "٣",
+    "1",
+    "_",
+    " ",
+    "\n",
+    "\x1c",
+    "\ufeff",
+    "\u2028",
+    "\xa0",
+    "\u0300",
+    "ि",
+    "{",
+    "}",
+    "[",
+    "]",
+    ":",
+    "-",
+    "\x08",
+    "\ud800",
+    "A",
+    "²",
+    "e",
+    "<",
+    "=",
+    "x",
+    "\\",
+    "w",
+]
 
 
 def test_python_fullmatch_answers_as_re_does():
@@ -52,19 +133,34 @@ def test_what_has_no_exact_rewrite_is_not_checked():
 
 def test_ecma_classes():
     # ECMA-262: \w and \d are ASCII (so \W and \D take "é", "٣"); \s has U+FEFF, not U+001C or U+0085.
-    for pattern, text, found in ((r"^\W+$", "é", True), (r"\w", "é", False), (r"^\D$", "٣", True),
-                                 (r"\d", "٣", False), (r"^[^\d]$", "٣", True), (r"^\s$", "\ufeff", True),
-                                 (r"^\s$", "\x1c", False), (r"^\s$", "\x85", False), (r"^\S$", "\x85", True),
-                                 (r"^[\w-]+$", "a-_9", True), ("b", "abc", True), ("^b", "abc", False)):
+    for pattern, text, found in (
+        (r"^\W+$", "é", True),
+        (r"\w", "é", False),
+        (r"^\D$", "٣", True),
+        (r"\d", "٣", False),
+        (r"^[^\d]$", "٣", True),
+        (r"^\s$", "\ufeff", True),
+        (r"^\s$", "\x1c", False),
+        (r"^\s$", "\x85", False),
+        (r"^\S$", "\x85", True),
+        (r"^[\w-]+$", "a-_9", True),
+        ("b", "abc", True),
+        ("^b", "abc", False),
+    ):
         assert ecma_search(pattern, text) is found, (pattern, text)
 
 
-@pytest.mark.parametrize("pattern, pieces", [
-    (r"a\d{2,3}[^\]x-z](?:b|c)", ["a", r"\d", "{2,3}", r"[^\]x-z]", "(?:", "b", "|", "c", ")"]),
-    (r"(?#note)\N{EM DASH}(?P<n>x){e<=1}", ["(?#note)", r"\N{EM DASH}", "(?P<n>", "x", ")", "{", "e", "<", "=",
-                                           "1", "}"]),
-    (r"(?i)a(?s-m:b)[]a][\\]", ["(?i)", "a", "(?s-m:", "b", ")", "[]a]", r"[\\]"]),
-])
+@pytest.mark.parametrize(
+    "pattern, pieces",
+    [
+        (r"a\d{2,3}[^\]x-z](?:b|c)", ["a", r"\d", "{2,3}", r"[^\]x-z]", "(?:", "b", "|", "c", ")"]),
+        (
+            r"(?#note)\N{EM DASH}(?P<n>x){e<=1}",
+            ["(?#note)", r"\N{EM DASH}", "(?P<n>", "x", ")", "{", "e", "<", "=", "1", "}"],
+        ),
+        (r"(?i)a(?s-m:b)[]a][\\]", ["(?i)", "a", "(?s-m:", "b", ")", "[]a]", r"[\\]"]),
+    ],
+)
 def test_a_pattern_is_cut_into_the_pieces_both_rewriters_read(pattern, pieces):
     """One scanner (grammar/regex_scan.py) serves the regex-package rewrite and xgrammar's."""
     from constrained_serve.grammar.regex_scan import regex_tokens

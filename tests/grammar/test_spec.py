@@ -8,13 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from grammar_test_types import Person, Point  # noqa: E402
+from pydantic import BaseModel, ConfigDict  # noqa: E402
 
 from constrained_serve.errors import GrammarError, OutputValidationError
 from constrained_serve.grammar import make_output_spec, parse_output
-
-
-from grammar_test_types import Person, Point  # noqa: E402
-from pydantic import BaseModel, ConfigDict  # noqa: E402
 
 GRAMMARS = Path(__file__).resolve().parents[2] / "grammars"
 
@@ -44,8 +42,10 @@ def test_property_order_is_kept_under_any_name():
     """Every properties map keeps its order, also inside a $defs entry (or a property)
     that happens to be called "properties"; other name maps are sorted."""
     inner = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}}}
-    for schema in ({"$defs": {"properties": inner, "b": inner}, "$ref": "#/$defs/properties"},
-                   {"type": "object", "properties": {"properties": inner, "x": inner}}):
+    for schema in (
+        {"$defs": {"properties": inner, "b": inner}, "$ref": "#/$defs/properties"},
+        {"type": "object", "properties": {"properties": inner, "x": inner}},
+    ):
         text = make_output_spec(schema=schema).text
         assert text.count('"z":{"type":"integer"},"a"') == 2, text
     assert '"$defs":{"b":' in make_output_spec(schema={"$defs": {"properties": inner, "b": inner}}).text
@@ -89,21 +89,24 @@ def test_other_kinds():
     assert parse_output(obj, '{"a": 1}') == ({"a": 1}, {"a": 1})
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    ({"schema": {"type": "object"}, "regex": "a"}, "schema, regex"),
-    ({"schema": "{not json"}, "schema"),
-    ({"schema": 42}, "schema"),
-    ({"schema": "[1, 2]"}, "schema"),
-    ({"regex": ""}, "regex"),
-    ({"grammar": 'start: "a"', "grammar_syntax": "yacc"}, "grammar_syntax"),
-    ({"choices": "yes"}, "choices"),
-    ({"choices": []}, "choices"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"schema": False}, "matches no JSON value"),
-    ({"schema": "false"}, "matches no JSON value"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": False}}}, "matches no JSON value"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"schema": {"type": "object"}, "regex": "a"}, "schema, regex"),
+        ({"schema": "{not json"}, "schema"),
+        ({"schema": 42}, "schema"),
+        ({"schema": "[1, 2]"}, "schema"),
+        ({"regex": ""}, "regex"),
+        ({"grammar": 'start: "a"', "grammar_syntax": "yacc"}, "grammar_syntax"),
+        ({"choices": "yes"}, "choices"),
+        ({"choices": []}, "choices"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"schema": False}, "matches no JSON value"),
+        ({"schema": "false"}, "matches no JSON value"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": False}}}, "matches no JSON value"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs, word):
     with pytest.raises(GrammarError, match=word):
         make_output_spec(**kwargs)
@@ -141,15 +144,18 @@ def test_a_finished_output_is_checked_against_the_spec_as_the_user_reads_it():
     with pytest.raises(OutputValidationError, match="re.fullmatch"):
         parse_output(regex, "हिंदी")  # Rust's \w takes the combining vowel signs, Python's does not
     assert parse_output(make_output_spec(regex=r"\p{L}+"), "x") == (None, "x")  # not Python syntax: no check
-    schema = {"type": "object", "properties": {"b": {"type": "string"}},
-              "patternProperties": {".*": {"type": "string"}}, "required": ["b"]}
+    schema = {
+        "type": "object",
+        "properties": {"b": {"type": "string"}},
+        "patternProperties": {".*": {"type": "string"}},
+        "required": ["b"],
+    }
     with pytest.raises(OutputValidationError, match="at k") as e:
         parse_output(make_output_spec(schema=schema), '{"b":"a","k":-2}')
     assert e.value.value == {"b": "a", "k": -2}
     # strict=False accepted the backend's approximation: its outputs stand.
     assert parse_output(make_output_spec(schema=schema, strict=False), '{"b":"a","k":-2}')[0] == {"b": "a", "k": -2}
     assert parse_output(make_output_spec(regex=r"\w+", strict=False), "हिंदी")[1] == "हिंदी"
-
 
 
 def test_the_conformance_check_never_flags_valid_outputs():
@@ -204,8 +210,9 @@ def test_schema_patterns_are_checked_as_ecma_262_reads_them_within_a_bound(caplo
     assert parse_output(space, '"\\ufeff"')[0] == "\ufeff"
     with pytest.raises(OutputValidationError):
         parse_output(space, '"\\u001c"')
-    keys = make_output_spec(schema={"type": "object", "patternProperties": {"^\\W+$": {"type": "integer"}},
-                                    "additionalProperties": False})
+    keys = make_output_spec(
+        schema={"type": "object", "patternProperties": {"^\\W+$": {"type": "integer"}}, "additionalProperties": False}
+    )
     assert parse_output(keys, '{"é":1}')[0] == {"é": 1}
     with pytest.raises(OutputValidationError, match="at é"):
         parse_output(keys, '{"é":"x"}')

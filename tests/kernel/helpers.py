@@ -1,5 +1,6 @@
 """Shared builders for the kernel tests (and benchmarks/gpu_kernels.py): random paged batches,
 a triton guard, and the reference distribution of the sampling filters."""
+
 from __future__ import annotations
 
 import math
@@ -16,12 +17,21 @@ def require_triton() -> None:
     if not attention.HAS_TRITON:
         import pytest
 
-        pytest.fail("triton is not installed: the Triton kernel tests need it "
-                    "(pip install triton; they run on CPU under TRITON_INTERPRET=1)")
+        pytest.fail(
+            "triton is not installed: the Triton kernel tests need it "
+            "(pip install triton; they run on CPU under TRITON_INTERPRET=1)"
+        )
 
 
-def make_batch(query_lens: list[int], seq_lens: list[int], page_size: int, num_pages: int,
-               gen: torch.Generator, pad_pages: int = 1, shared_pages: int = 0) -> AttentionMetadata:
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    page_size: int,
+    num_pages: int,
+    gen: torch.Generator,
+    pad_pages: int = 1,
+    shared_pages: int = 0,
+) -> AttentionMetadata:
     """Sequences get random distinct pages; the new tokens are the last query_len of each.
     shared_pages: every sequence's first pages are the same ones (a prefix cached once), and
     its new tokens come after them."""
@@ -38,9 +48,9 @@ def make_batch(query_lens: list[int], seq_lens: list[int], page_size: int, num_p
     slots, used = [], shared_pages
     for b, (n, L) in enumerate(zip(query_lens, seq_lens)):
         own = need[b] - shared_pages
-        pages = torch.cat([perm[:shared_pages], perm[used:used + own]])
+        pages = torch.cat([perm[:shared_pages], perm[used : used + own]])
         used += own
-        tables[b, :need[b]] = pages.to(torch.int32)
+        tables[b, : need[b]] = pages.to(torch.int32)
         for pos in range(L - n, L):
             slots.append(int(pages[pos // page_size]) * page_size + pos % page_size)
     qsl = [0]
@@ -59,8 +69,9 @@ def make_batch(query_lens: list[int], seq_lens: list[int], page_size: int, num_p
     )
 
 
-def dense_causal_attention(q: torch.Tensor, k_full: list[torch.Tensor], v_full: list[torch.Tensor],
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def dense_causal_attention(
+    q: torch.Tensor, k_full: list[torch.Tensor], v_full: list[torch.Tensor], meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Independent naive reference: per sequence, per head, explicit loops over positions."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     hq = q.shape[1]
@@ -79,8 +90,9 @@ def dense_causal_attention(q: torch.Tensor, k_full: list[torch.Tensor], v_full: 
     return out
 
 
-def expected_probs(logits: torch.Tensor, allowed: torch.Tensor | None, T: float, k: int, p: float,
-              min_p: float) -> torch.Tensor:
+def expected_probs(
+    logits: torch.Tensor, allowed: torch.Tensor | None, T: float, k: int, p: float, min_p: float
+) -> torch.Tensor:
     """The filtered distribution by its definition, in float64, via a full sort."""
     x = logits.double().clone()
     if allowed is not None:

@@ -1,5 +1,6 @@
 """Paged attention and KV store: torch reference vs a naive dense attention, Triton vs the
 reference (under TRITON_INTERPRET=1 on CPU, on the real device in benchmarks/gpu_check.sh)."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,8 +22,19 @@ DECODE_ONLY = ([1, 1, 1, 1], [1, 17, 32, 75])
 LAYOUTS = pytest.mark.parametrize("head_major", [False, True], ids=["page-major", "head-major"])
 
 
-def _paged_case(query_lens, seq_lens, *, page_size=16, hkv=2, group=2, d=64,
-                dtype=torch.float32, seed=0, head_major=False, shared_pages=0):
+def _paged_case(
+    query_lens,
+    seq_lens,
+    *,
+    page_size=16,
+    hkv=2,
+    group=2,
+    d=64,
+    dtype=torch.float32,
+    seed=0,
+    head_major=False,
+    shared_pages=0,
+):
     """Writes each sequence's full K/V history into the pages via store_kv_torch.
     shared_pages: all sequences start with the same pages, holding the same keys (make_batch)."""
     g = torch.Generator().manual_seed(seed)
@@ -53,8 +65,12 @@ def _paged_case(query_lens, seq_lens, *, page_size=16, hkv=2, group=2, d=64,
 def _assert_matches_dense(q, kc, vc, meta, kf, vf, scale=0.125):
     """The torch path against the float64 loop reference, at the tolerance of q's dtype."""
     tol = 1e-5 if q.dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(A.paged_attention_torch(q, kc, vc, meta, scale).double(),
-                               dense_causal_attention(q, kf, vf, meta, scale), atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        A.paged_attention_torch(q, kc, vc, meta, scale).double(),
+        dense_causal_attention(q, kf, vf, meta, scale),
+        atol=tol,
+        rtol=tol,
+    )
 
 
 @pytest.mark.parametrize("case", [MIXED, PREFILL_ONLY, DECODE_ONLY], ids=["mixed", "prefill", "decode"])
@@ -62,7 +78,7 @@ def _assert_matches_dense(q, kc, vc, meta, kf, vf, scale=0.125):
 @LAYOUTS
 def test_reference_matches_dense(case, group, head_major):
     q, kc, vc, meta, kf, vf = _paged_case(*case, group=group, head_major=head_major)
-    _assert_matches_dense(q, kc, vc, meta, kf, vf, scale=64 ** -0.5)
+    _assert_matches_dense(q, kc, vc, meta, kf, vf, scale=64**-0.5)
 
 
 def test_reference_length_buckets_match_dense():
@@ -129,7 +145,7 @@ def test_reference_tolerates_padded_block_tables():
     q, kc, vc, meta, kf, vf = _paged_case(*DECODE_ONLY)
     bt = meta.block_tables.clone()
     for b, L in enumerate(meta.seq_lens_host):
-        bt[b, -(-L // 16):] = -1
+        bt[b, -(-L // 16) :] = -1
     meta.block_tables = bt
     _assert_matches_dense(q, kc, vc, meta, kf, vf)
 
@@ -187,9 +203,8 @@ TRITON_CASES = [
 @pytest.mark.parametrize("case,page_size,hkv,group,d,dtype", TRITON_CASES)
 def test_triton_attention_matches_reference(case, page_size, hkv, group, d, dtype):
     require_triton()
-    q, kc, vc, meta, kf, vf = _paged_case(*case, page_size=page_size, hkv=hkv, group=group, d=d,
-                                          dtype=dtype, seed=3)
-    scale = d ** -0.5
+    q, kc, vc, meta, kf, vf = _paged_case(*case, page_size=page_size, hkv=hkv, group=group, d=d, dtype=dtype, seed=3)
+    scale = d**-0.5
     ref = A.paged_attention_torch(q, kc, vc, meta, scale)
     out = A.paged_attention_triton(q, kc, vc, meta, scale, num_splits=1)
     assert out.dtype == dtype and out.shape == q.shape
@@ -236,8 +251,10 @@ def test_store_then_attend_triton_end_to_end(head_major):
     query_lens, seq_lens, ps, hkv, group, d = [1, 1, 6], [9, 16, 6], 16, 2, 2, 64
     meta = make_batch(query_lens, seq_lens, ps, 8, g)
     cpu = torch.device("cpu")
-    kc_ref, vc_ref, kc, vc = (kv_layout.allocate_pool(8, ps, hkv, d, torch.float32, cpu, m)
-                              for m in (not head_major, not head_major, head_major, head_major))
+    kc_ref, vc_ref, kc, vc = (
+        kv_layout.allocate_pool(8, ps, hkv, d, torch.float32, cpu, m)
+        for m in (not head_major, not head_major, head_major, head_major)
+    )
     for ref, tri in ((kc_ref, kc), (vc_ref, vc)):
         ref.copy_(torch.randn(ref.shape, generator=g))
         tri.copy_(ref)
@@ -292,8 +309,9 @@ def test_short_rows_attend_a_shared_prefix_once(dtype, head_major):
     rng = random.Random(11)
     qlens = [1] * 20 + [rng.randint(2, 9) for _ in range(12)] + [30]
     lens = [rng.randint(97, 170) + n for n in qlens]
-    q, kc, vc, meta, kf, vf = _paged_case(qlens, lens, group=3, hkv=2, dtype=dtype, head_major=head_major,
-                                          shared_pages=6)
+    q, kc, vc, meta, kf, vf = _paged_case(
+        qlens, lens, group=3, hkv=2, dtype=dtype, head_major=head_major, shared_pages=6
+    )
     groups = short_rows.short_groups(meta, 16, 3, q.device)
     assert [g.shared_pages.numel() for g in groups] == [6, 6]
     assert torch.equal(groups[0].shared_pages.int(), meta.block_tables[0, :6])

@@ -1,5 +1,6 @@
 """The interpreter never runs the real compiler: lower every kernel for sm_90 through the
 Triton frontend (no GPU needed), and check the dispatcher's choices."""
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernels_pass_the_gpu_compiler_frontend():
     require_triton()
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_check.py"),
-                           "--frontend-only", "--arch", "90"],
-                          capture_output=True, text=True, env=env, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile_check.py"), "--frontend-only", "--arch", "90"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -50,8 +55,9 @@ def test_dispatch_forced_triton_runs_under_interpreter(monkeypatch):
     attention.store_kv_torch(k, v, kc_ref, vc_ref, meta.slot_mapping)
     assert torch.equal(kc, kc_ref)
     q = torch.randn(4, 2, 64, generator=g)
-    torch.testing.assert_close(dispatch.paged_attention(q, kc, vc, meta, 0.125),
-                               attention.paged_attention_torch(q, kc, vc, meta, 0.125))
+    torch.testing.assert_close(
+        dispatch.paged_attention(q, kc, vc, meta, 0.125), attention.paged_attention_torch(q, kc, vc, meta, 0.125)
+    )
     logits = torch.randn(3, 40, generator=g)
     z = torch.zeros(3)
     tokens = dispatch.sample(logits, None, z, z.long(), z + 1, z, torch.arange(3))
@@ -83,8 +89,7 @@ def test_package_works_without_triton():
         "    raise AssertionError('expected RuntimeError')\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -95,5 +100,6 @@ def test_dispatch_falls_back_for_unsupported_head_dim(monkeypatch):
     q = torch.randn(3, 2, 24, generator=g)  # head_dim 24: not a power of two
     kc, vc = torch.randn(2, 16, 1, 24, generator=g), torch.randn(2, 16, 1, 24, generator=g)
     assert not attention.triton_supports(q, kc)
-    torch.testing.assert_close(dispatch.paged_attention(q, kc, vc, meta, 0.2),
-                               attention.paged_attention_torch(q, kc, vc, meta, 0.2))
+    torch.testing.assert_close(
+        dispatch.paged_attention(q, kc, vc, meta, 0.2), attention.paged_attention_torch(q, kc, vc, meta, 0.2)
+    )

@@ -1,6 +1,7 @@
 """Masked sampling: the torch reference and the fused Triton kernel (under TRITON_INTERPRET=1
 on CPU), checked against the definition: masks are never violated, greedy is the masked
 argmax, seeded draws are reproducible and follow the filtered softmax (chi-square)."""
+
 from __future__ import annotations
 
 import math
@@ -15,9 +16,23 @@ from .helpers import expected_probs, require_triton
 # Chi-square critical values at significance 0.001, by degrees of freedom (scipy is not
 # installed). Draws are seeded, so each test is deterministic; 0.001 keeps it from being
 # brittle to a change of seeds.
-CHI2_CRIT_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
-                 8: 26.124, 9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528,
-                 14: 36.123, 15: 37.697}
+CHI2_CRIT_001 = {
+    1: 10.828,
+    2: 13.816,
+    3: 16.266,
+    4: 18.467,
+    5: 20.515,
+    6: 22.458,
+    7: 24.322,
+    8: 26.124,
+    9: 27.877,
+    10: 29.588,
+    11: 31.264,
+    12: 32.909,
+    13: 34.528,
+    14: 36.123,
+    15: 37.697,
+}
 
 
 def _impl(name: str):
@@ -33,9 +48,13 @@ def _params(R: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0):
             return v.to(dtype)
         return torch.full((R,), v, dtype=dtype)
 
-    return dict(temperature=col(temperature, torch.float32), top_k=col(top_k, torch.int64),
-                top_p=col(top_p, torch.float32), min_p=col(min_p, torch.float32),
-                seeds=torch.arange(seed0, seed0 + R, dtype=torch.int64))
+    return dict(
+        temperature=col(temperature, torch.float32),
+        top_k=col(top_k, torch.int64),
+        top_p=col(top_p, torch.float32),
+        min_p=col(min_p, torch.float32),
+        seeds=torch.arange(seed0, seed0 + R, dtype=torch.int64),
+    )
 
 
 def _pack(allowed: torch.Tensor) -> torch.Tensor:

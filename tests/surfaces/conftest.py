@@ -1,4 +1,5 @@
 """Shared fixtures for the user-surface tests (CLI, examples, notebook, grammars, display)."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """``constrained-serve extract / generate / info`` end to end on the real default model."""
+
 from __future__ import annotations
 
 import io
@@ -48,9 +49,14 @@ def test_setup_errors_exit_2_before_any_row(tmp_path, capsys) -> None:
         (["extract", str(good), "-o", str(out), "--schema", "no_such_module:Model"], "cannot import"),
         (["extract", str(good), "-o", str(out), "--schema", SCHEMA, "--regex", "a+"], "only one of"),
         (["extract", str(good), "-o", str(out), "--template", "{"], "bad --template"),
-        (["extract", str(good), "-o", str(out), "--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
-        (["extract", str(good), "-o", str(out), "--schema", SCHEMA, "--model", str(tmp_path / "nope.gguf")],
-         "cannot load"),
+        (
+            ["extract", str(good), "-o", str(out), "--repetition-penalty", "0"],
+            "repetition_penalty must be a finite number > 0",
+        ),
+        (
+            ["extract", str(good), "-o", str(out), "--schema", SCHEMA, "--model", str(tmp_path / "nope.gguf")],
+            "cannot load",
+        ),
         (["extract", str(good), "-o", str(good)], "is the input file"),
         (["extract", str(good), "-o", str(out), "--temperature", "nan"], "temperature must be a finite number"),
         (["extract", str(good), "-o", str(out), "--template", "{n:d}"], "format specs"),
@@ -82,15 +88,27 @@ def test_sampling_flags_reach_the_params(tiny_engine_factory, capsys) -> None:
     from constrained_serve import SamplingParams
 
     eng = tiny_engine_factory()
-    flags = ["--max-tokens", "24", "--temperature", "1", "--seed", "3", "--top-p", "0.9", "--top-k", "40",
-             "--min-p", "0.01"]
+    flags = [
+        "--max-tokens",
+        "24",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "40",
+        "--min-p",
+        "0.01",
+    ]
     p = SamplingParams(max_tokens=24, temperature=1.0, seed=3, top_p=0.9, top_k=40, min_p=0.01)
     ref = eng.generate("a b c", p)[0].text
     assert main(["generate", "a b c", "--raw", *flags], engine=eng) == 0
     assert capsys.readouterr().out == ref + "\n"
-    stop = ref[len(ref) // 2:len(ref) // 2 + 2]
+    stop = ref[len(ref) // 2 : len(ref) // 2 + 2]
     assert main(["generate", "a b c", "--raw", *flags, "--stop", stop, "--stop", "\x00"], engine=eng) == 0
-    assert capsys.readouterr().out == ref[:ref.index(stop)] + "\n"
+    assert capsys.readouterr().out == ref[: ref.index(stop)] + "\n"
     assert main(["generate", "a b c", "--raw", "--top-p", "0"], engine=eng) == 2
     assert "top_p must be" in capsys.readouterr().err
 
@@ -180,7 +198,11 @@ def test_extract_one_row_per_line_in_order_then_resume(engine, tmp_path, capsys)
     assert capsys.readouterr().err == ""
     assert all("output" in r for r in read_rows(out2))
     assert {r["id"] for r in read_rows(out2)} | {r["id"] for r in read_rows(errs)} == {
-        t[0]["id"], 2, "no-text", "huge", t[2]["id"]
+        t[0]["id"],
+        2,
+        "no-text",
+        "huge",
+        t[2]["id"],
     }
 
 
@@ -191,9 +213,25 @@ def test_extract_with_regex_and_template(engine, tmp_path, capsys) -> None:
         [json.dumps({"ref": "a", "city": "Paris", "country": "France"}), json.dumps({"ref": "b", "city": "Lima"})],
     )
     out = tmp_path / "out.jsonl"
-    argv = ["extract", str(src), "-o", str(out), "--regex", "[A-Z][a-z]{2,11}", "--id-field", "ref", "--backend", "xgrammar",
-            "--template", "In which country is {city}? ({country})", "--instructions", "Answer with one word.",
-            "--max-tokens", "8", "--quiet"]
+    argv = [
+        "extract",
+        str(src),
+        "-o",
+        str(out),
+        "--regex",
+        "[A-Z][a-z]{2,11}",
+        "--id-field",
+        "ref",
+        "--backend",
+        "xgrammar",
+        "--template",
+        "In which country is {city}? ({country})",
+        "--instructions",
+        "Answer with one word.",
+        "--max-tokens",
+        "8",
+        "--quiet",
+    ]
     assert main(argv, engine=engine) == 0
     rows = read_rows(out)
     assert rows[0]["id"] == "a" and rows[0]["output"][0].isupper()
@@ -231,12 +269,24 @@ def test_sigkill_then_rerun_gives_exactly_one_row_per_id(tmp_path, python) -> No
     lines.insert(5, "{broken")  # an error row written by the first run
     src = write_lines(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    argv = [python, "-m", "constrained_serve.cli", "extract", str(src), "-o", str(out), "--schema", SCHEMA,
-            "--max-tokens", "160"]
+    argv = [
+        python,
+        "-m",
+        "constrained_serve.cli",
+        "extract",
+        str(src),
+        "-o",
+        str(out),
+        "--schema",
+        SCHEMA,
+        "--max-tokens",
+        "160",
+    ]
     # Small batches in the first run, so rows land a few at a time and there is a moment
     # with some rows written and some not; the rerun may batch differently.
-    proc = subprocess.Popen(argv + ["--max-num-seqs", "2"], env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        argv + ["--max-num-seqs", "2"], env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and len(read_rows(out)) < 4:
         time.sleep(0.05)
@@ -249,8 +299,9 @@ def test_sigkill_then_rerun_gives_exactly_one_row_per_id(tmp_path, python) -> No
     with open(out, "ab") as f:  # what a write cut short by the kill would leave behind
         f.write(b'{"id": "T-0')
 
-    done = subprocess.run(argv + ["--quiet", "--max-num-seqs", "16"], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        argv + ["--quiet", "--max-num-seqs", "16"], env=subprocess_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_rows(out)
     expected = [json.loads(line)["id"] if line.startswith('{"id"') else 6 for line in lines]
@@ -320,8 +371,20 @@ def test_rows_whose_grammar_runs_away_become_error_rows(tiny_engine_factory, tmp
     grammar.write_text(HANG_AFTER_X)
     src = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": i, "text": f"Row {i}: q or x?"}) for i in range(12)])
     out = tmp_path / "out.jsonl"
-    argv = ["extract", str(src), "-o", str(out), "--grammar", str(grammar), "--temperature", "1", "--seed", "3",
-            "--max-tokens", "8"]
+    argv = [
+        "extract",
+        str(src),
+        "-o",
+        str(out),
+        "--grammar",
+        str(grammar),
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+        "--max-tokens",
+        "8",
+    ]
     t0 = time.monotonic()
     assert main(argv, engine=eng) == 0
     assert time.monotonic() - t0 < 120

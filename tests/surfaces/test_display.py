@@ -1,4 +1,5 @@
 """HTML and text views of a Result (what Jupyter and repr() show)."""
+
 from __future__ import annotations
 
 from html.parser import HTMLParser
@@ -47,14 +48,29 @@ def parse(html: str) -> _Collect:
 
 def test_pydantic_result_is_a_table_with_usage() -> None:
     t = Ticket(title="Printer on fire", priority=1, tags=["hardware", "urgent"])
-    r = Result(text=t.model_dump_json(), token_ids=[1, 2], finish_reason="stop",
-               usage=Usage(prompt_tokens=30, cached_tokens=16, completion_tokens=12, forced_tokens=5),
-               json=t.model_dump(), parsed=t)
+    r = Result(
+        text=t.model_dump_json(),
+        token_ids=[1, 2],
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=30, cached_tokens=16, completion_tokens=12, forced_tokens=5),
+        json=t.model_dump(),
+        parsed=t,
+    )
     page = parse(result_repr_html(r))
     assert "table" in page.tags and page.tags.count("tr") == 3
     text = "".join(page.text)
-    for s in ("title", "Printer on fire", "priority", "hardware", "Ticket", "stop", "30 prompt", "16 cached",
-              "12 generated", "5 forced"):
+    for s in (
+        "title",
+        "Printer on fire",
+        "priority",
+        "hardware",
+        "Ticket",
+        "stop",
+        "30 prompt",
+        "16 cached",
+        "12 generated",
+        "5 forced",
+    ):
         assert s in text, s
     line = result_repr_text(r)
     assert line.startswith("Result(Ticket({") and "finish_reason='stop'" in line and "16 cached" in line
@@ -73,8 +89,13 @@ def test_model_output_is_escaped() -> None:
 
 
 def test_truncated_and_error_results() -> None:
-    r = Result(text='{"title": "Print', token_ids=[1], finish_reason="length", error="output truncated at max_tokens=8",
-               error_type="truncated")
+    r = Result(
+        text='{"title": "Print',
+        token_ids=[1],
+        finish_reason="length",
+        error="output truncated at max_tokens=8",
+        error_type="truncated",
+    )
     html = result_repr_html(r)
     text = "".join(parse(html).text)
     assert "length" in text and "truncated: output truncated" in text and '{"title": "Print' in text
@@ -85,8 +106,9 @@ def test_truncated_and_error_results() -> None:
 
 
 def test_stop_reason_is_shown_and_escaped() -> None:
-    r = Result(text="abc", token_ids=[1], finish_reason="stop", stop_reason="<b>}", error="output cut",
-               error_type="truncated")
+    r = Result(
+        text="abc", token_ids=[1], finish_reason="stop", stop_reason="<b>}", error="output cut", error_type="truncated"
+    )
     html = result_repr_html(r)
     assert "<b>}" not in html and "stop ('<b>}')" in "".join(parse(html).text)
     assert "stop_reason='<b>}'" in result_repr_text(r)
@@ -102,8 +124,11 @@ def test_long_and_nested_values_are_elided_not_dropped() -> None:
 
 @pytest.mark.slow
 def test_display_of_a_real_result(engine) -> None:
-    [r] = engine.chat([[{"role": "user", "content": "A ticket about a broken printer, as JSON."}]],
-                      SamplingParams(max_tokens=64), schema=Ticket)
+    [r] = engine.chat(
+        [[{"role": "user", "content": "A ticket about a broken printer, as JSON."}]],
+        SamplingParams(max_tokens=64),
+        schema=Ticket,
+    )
     html = r._repr_html_()
     parse(html)
     if r.parsed is not None:

@@ -8,6 +8,7 @@ parsed by the command's own parser, and ``generate`` / ``info`` also run. ``text
 ``jsonl`` blocks are data (JSON must parse). ``no-run`` in a fence (``bash no-run``) skips a
 block that cannot run here: a make target, a server, a cluster. Any other fence fails.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,8 +71,11 @@ ALL = [b for p in PAGES for b in blocks(p)]
 def commands(block: Block) -> list[list[str]]:
     """The block's commands, backslash continuations joined, comments and blank lines dropped."""
     text = re.sub(r"\\\n\s*", " ", block.code)
-    return [shlex.split(line, comments=True) for line in text.splitlines() if line.strip() and
-            not line.lstrip().startswith("#")]
+    return [
+        shlex.split(line, comments=True)
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def test_pages_were_found() -> None:
@@ -83,7 +87,8 @@ def test_pages_were_found() -> None:
 @pytest.mark.parametrize("block", ALL, ids=lambda b: b.where)
 def test_every_block_is_runnable_or_tagged(block: Block) -> None:
     assert block.lang in {"python"} | SHELL | DATA, (
-        f"{block.where}: fence {block.lang!r} is neither python, bash nor data; tag it (e.g. 'bash no-run')")
+        f"{block.where}: fence {block.lang!r} is neither python, bash nor data; tag it (e.g. 'bash no-run')"
+    )
     if block.lang in DATA and block.runs:
         if block.lang == "json":
             json.loads(block.code)
@@ -97,7 +102,8 @@ def test_every_block_is_runnable_or_tagged(block: Block) -> None:
         assert cmds, f"{block.where}: an empty shell block"
         for argv in cmds:
             assert argv[0] == "constrained-serve", (
-                f"{block.where}: only constrained-serve commands run here; tag the block 'bash no-run': {argv}")
+                f"{block.where}: only constrained-serve commands run here; tag the block 'bash no-run': {argv}"
+            )
             try:
                 build_parser().parse_args(argv[1:])
             except SystemExit as e:  # argparse's way of refusing
@@ -154,7 +160,8 @@ def test_python_blocks_run(page: Path, shared_engine) -> None:
     for b in page_blocks:
         if b.lang == "text" and "output" in b.flags:
             assert printed is not None and printed.strip() == b.code.strip(), (
-                f"{b.where}: the page shows\n{b.code}\nbut the block before it printed\n{printed}")
+                f"{b.where}: the page shows\n{b.code}\nbut the block before it printed\n{printed}"
+            )
         if b.lang != "python" or not b.runs:
             continue
         out = io.StringIO()
@@ -167,8 +174,13 @@ def test_python_blocks_run(page: Path, shared_engine) -> None:
     assert ran == sum(b.lang == "python" and b.runs for b in page_blocks)
 
 
-SHELL_RUNS = [(b, argv) for b in ALL if b.lang in SHELL and b.runs for argv in commands(b)
-              if argv[0] == "constrained-serve" and argv[1] in ("generate", "info")]
+SHELL_RUNS = [
+    (b, argv)
+    for b in ALL
+    if b.lang in SHELL and b.runs
+    for argv in commands(b)
+    if argv[0] == "constrained-serve" and argv[1] in ("generate", "info")
+]
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """Every example script runs on the default model and prints what it promises."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ pytestmark = pytest.mark.slow
 
 
 def run(python: str, script: str, *args: str) -> str:
-    done = subprocess.run([python, str(EXAMPLES / script), *args], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [python, str(EXAMPLES / script), *args], env=subprocess_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done.stdout + done.stderr
 

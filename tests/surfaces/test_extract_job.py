@@ -1,6 +1,7 @@
 """The JSONL job logic of ``constrained-serve extract``, without a model: input parsing,
 error rows, resume scan and repair, output locking, in-order merging of early error rows
 with engine results. The same paths run on the real model in test_cli_extract.py."""
+
 from __future__ import annotations
 
 import json
@@ -91,8 +92,12 @@ def test_read_items_classifies_every_kind_of_line() -> None:
 def test_lines_python_cannot_read_are_error_rows_not_crashes() -> None:
     """Nesting too deep, an integer past Python's digit limit, a lone surrogate in the text:
     each is that line's error row; the job goes on (they used to stop it on every rerun)."""
-    src = lines("[" * 100_000, '{"id": ' + "9" * 5000 + ', "text": "x"}', '{"id": "s", "text": "a\\udc00b"}',
-                '{"id": "ok", "text": "fine"}')
+    src = lines(
+        "[" * 100_000,
+        '{"id": ' + "9" * 5000 + ', "text": "x"}',
+        '{"id": "s", "text": "a\\udc00b"}',
+        '{"id": "ok", "text": "fine"}',
+    )
     got = [(it.id, it.error["type"] if it.error else None) for it in read_items(src, PromptBuilder())]
     assert got == [(1, INVALID_JSON), (2, INVALID_JSON), ("s", "invalid_text"), ("ok", None)]
 
@@ -168,8 +173,11 @@ def test_resume_refuses_a_corrupt_complete_line(tmp_path, bad: bytes) -> None:
 def test_a_file_we_did_not_write_is_never_cut(tmp_path) -> None:
     """Only a partial row of ours is cut: a one-line note or config without its newline, or
     JSON lines that are not output rows, make the run refuse the file, untouched."""
-    for name, data in [("notes.txt", b"important notes, do not lose"), ("cfg.json", b'{"id": 1}'),
-                       ("input.jsonl", b'{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n')]:
+    for name, data in [
+        ("notes.txt", b"important notes, do not lose"),
+        ("cfg.json", b'{"id": 1}'),
+        ("input.jsonl", b'{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n'),
+    ]:
         path = str(tmp_path / name)
         write_file(path, data)
         with pytest.raises(OutputFileError, match="not an output row"):
@@ -181,9 +189,13 @@ def test_a_file_we_did_not_write_is_never_cut(tmp_path) -> None:
 def test_output_paths_that_cannot_be_resumed_are_refused(tmp_path) -> None:
     src = str(tmp_path / "in.jsonl")
     write_file(src, b'{"id": "a", "text": "x"}')
-    for args, message in [((src,), "is the input file"), ((str(tmp_path / "o.jsonl"), src), "is the input file"),
-                          (("-",), "stdout"), (("/dev/null",), "not a regular file"),
-                          ((str(tmp_path / "no" / "dir.jsonl"),), "cannot open for writing")]:
+    for args, message in [
+        ((src,), "is the input file"),
+        ((str(tmp_path / "o.jsonl"), src), "is the input file"),
+        (("-",), "stdout"),
+        (("/dev/null",), "not a regular file"),
+        ((str(tmp_path / "no" / "dir.jsonl"),), "cannot open for writing"),
+    ]:
         with pytest.raises(OutputFileError, match=message):
             open_sinks(*args, input_path=src)
     with open(src, "rb") as f:
@@ -250,11 +262,17 @@ def test_result_rows() -> None:
     assert cut["finish_reason"] == "length"
     cut_text = result_row("c", fake_result("20", finish="length"), json_output=False)
     assert cut_text["error"]["type"] == TRUNCATED and "max-tokens" in cut_text["error"]["message"]
-    too_long = result_row("d", fake_result(finish="abort", error="prompt too long", error_type="PromptTooLongError"), json_output=True)
+    too_long = result_row(
+        "d", fake_result(finish="abort", error="prompt too long", error_type="PromptTooLongError"), json_output=True
+    )
     assert too_long["error"] == {"type": "prompt_too_long", "message": "prompt too long"}
-    bad = result_row("e", fake_result("{}", finish="stop", error="does not parse", error_type="JSONDecodeError"), json_output=True)
+    bad = result_row(
+        "e", fake_result("{}", finish="stop", error="does not parse", error_type="JSONDecodeError"), json_output=True
+    )
     assert bad["error"]["type"] == "json_decode"
-    bad = result_row("e", fake_result("{}", finish="stop", error="does not parse", error_type="ValueError"), json_output=True)
+    bad = result_row(
+        "e", fake_result("{}", finish="stop", error="does not parse", error_type="ValueError"), json_output=True
+    )
     assert bad["error"]["type"] == "invalid_output"
 
 
@@ -283,7 +301,9 @@ def test_truncation_says_which_limit() -> None:
     assert "raise --max-tokens" in at_max["error"]["message"]
     at_context = result_row("a", fake_result("20", finish="length"), json_output=False, max_tokens=64)
     assert "context length" in at_context["error"]["message"] and "shorten" in at_context["error"]["message"]
-    refused = result_row("b", fake_result('{"a": 1}', {"a": 1}, "stop", "no", "OutputValidationError"), json_output=True)
+    refused = result_row(
+        "b", fake_result('{"a": 1}', {"a": 1}, "stop", "no", "OutputValidationError"), json_output=True
+    )
     assert refused["error"]["type"] == "output_validation" and refused["error"]["text"] == '{"a": 1}'
 
 

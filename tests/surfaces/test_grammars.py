@@ -1,6 +1,7 @@
 """grammars/*.lark: each compiles under llguidance, parses its documented examples with
 `lark`, and (on the real model, with both grammar backends) generates text that `lark`
 parses back."""
+
 from __future__ import annotations
 
 import lark
@@ -24,7 +25,7 @@ EXAMPLES = {
     "function_call.lark": [
         'get_weather(city="Paris", unit="celsius")',
         'send_email(to=["a@b.org"], urgent=true); noop()',
-        'f(x=-1.5e3, y=null, z=[])',
+        "f(x=-1.5e3, y=null, z=[])",
     ],
 }
 REJECTS = {

@@ -1,5 +1,6 @@
 """examples/quickstart.ipynb executes top to bottom (nbclient, a real kernel) and shows
 what each section promises."""
+
 from __future__ import annotations
 
 import re
@@ -39,7 +40,10 @@ def test_quickstart_notebook_runs(monkeypatch) -> None:
 
     pydantic_html = next(t for t in text.values() if "constrained-serve-result" in t)
     assert "Invoice" in pydantic_html or "truncated" in pydantic_html
-    assert "Invoice(" in by_source["invoice.parsed  # an Invoice instance; None when the output is incomplete or refused (invoice.error says why)"]
+    parsed_cell = (
+        "invoice.parsed  # an Invoice instance; None when the output is incomplete or refused (invoice.error says why)"
+    )
+    assert "Invoice(" in by_source[parsed_cell]
     assert len(re.findall(r"matches: True", "".join(text.values()))) == 2
     assert "model wrote:" in "".join(text.values()) and "start" in "".join(text.values())
     assert len(re.findall(r"(\d+) from cache", "".join(text.values()))) == 2

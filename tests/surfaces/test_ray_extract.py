@@ -5,6 +5,7 @@ One cluster for the module (starting Ray costs seconds); its processes are check
 when the module ends. The driver-kill test runs the CLI in subprocesses, each starting
 (and, when killed, leaving) its own cluster: those are checked gone too.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,9 @@ def cluster():
 
 def input_lines(n: int = 12) -> list[str]:
     topics = ["a late parcel", "a broken screen", "a double charge", "a refund", "a cancelled flight"]
-    lines = [json.dumps({"id": f"t{i}", "text": f"Ticket {i}: the customer writes about {topics[i % 5]}."})
-             for i in range(n)]
+    lines = [
+        json.dumps({"id": f"t{i}", "text": f"Ticket {i}: the customer writes about {topics[i % 5]}."}) for i in range(n)
+    ]
     lines.insert(3, "{not json")
     lines.insert(5, json.dumps({"id": "t1", "text": "the id of line 2 again"}))  # duplicate id
     lines.insert(7, "")  # blank: no row, but it counts for line numbers
@@ -85,8 +87,10 @@ def rows(path: Path) -> list[dict]:
 
 
 def without_cache_counts(rows: list[dict]) -> list[dict]:
-    return [{**r, "usage": {k: v for k, v in r["usage"].items() if k != "cached_tokens"}} if "usage" in r else r
-            for r in rows]
+    return [
+        {**r, "usage": {k: v for k, v in r["usage"].items() if k != "cached_tokens"}} if "usage" in r else r
+        for r in rows
+    ]
 
 
 def row_key(row: dict) -> str:
@@ -177,8 +181,11 @@ def test_a_killed_replica_is_restarted_and_its_batch_retried(cluster, tiny_llama
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if out.exists() and len(out.read_text().splitlines()) >= 4:
-                alive = [a for a in ray._private.state.actors().values()
-                         if a["ActorClassName"] == REPLICA_CLASS and a["State"] == "ALIVE"]
+                alive = [
+                    a
+                    for a in ray._private.state.actors().values()
+                    if a["ActorClassName"] == REPLICA_CLASS and a["State"] == "ALIVE"
+                ]
                 if alive:
                     os.kill(alive[0]["Pid"], signal.SIGKILL)
                     killed.append(alive[0]["Pid"])
@@ -208,8 +215,20 @@ def test_driver_sigkill_then_resume(tiny_llama_dir, tmp_path) -> None:
     # The subprocesses' clusters, apart from any other (a short path: Ray's sockets live there)
     ray_tmp = Path(tempfile.mkdtemp(prefix="csray", dir="/tmp"))
     env["RAY_TMPDIR"] = str(ray_tmp)
-    argv = [sys.executable, "-m", "constrained_serve.cli", "extract", str(src), "-o", str(out), "--ray",
-            "--replicas", "2", "--batch-size", "2"] + common_args(tiny_llama_dir, max_tokens=24)
+    argv = [
+        sys.executable,
+        "-m",
+        "constrained_serve.cli",
+        "extract",
+        str(src),
+        "-o",
+        str(out),
+        "--ray",
+        "--replicas",
+        "2",
+        "--batch-size",
+        "2",
+    ] + common_args(tiny_llama_dir, max_tokens=24)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 180

@@ -1,4 +1,5 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client over loopback."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,12 @@ import openai
 import pytest
 
 KEY = "test-key-123"
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
-          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["ok", "n"],
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+}
 
 
 class Server:
@@ -86,8 +91,9 @@ def test_completions_several_prompts_and_n(client):
 @pytest.mark.timeout(120)
 def test_streaming_equals_the_non_streamed_output(client):
     full = chat(client, "Tell a story", max_tokens=20, temperature=0)
-    stream = chat(client, "Tell a story", max_tokens=20, temperature=0, stream=True,
-                  stream_options={"include_usage": True})
+    stream = chat(
+        client, "Tell a story", max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     text, finish, usage = "", None, None
     for ev in stream:
         if ev.choices:
@@ -98,8 +104,10 @@ def test_streaming_equals_the_non_streamed_output(client):
     assert text == full.choices[0].message.content
     assert finish == full.choices[0].finish_reason and usage.completion_tokens == full.usage.completion_tokens
     parts = list(client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, temperature=0, stream=True))
-    assert "".join(p.choices[0].text for p in parts if p.choices) == client.completions.create(
-        model="tiny", prompt="Once upon", max_tokens=8, temperature=0).choices[0].text
+    assert (
+        "".join(p.choices[0].text for p in parts if p.choices)
+        == client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, temperature=0).choices[0].text
+    )
 
 
 @pytest.mark.timeout(120)
@@ -164,8 +172,12 @@ def test_64_concurrent_streaming_clients(served):
     async def one(c: openai.AsyncOpenAI, i: int) -> str:
         text = ""
         stream = await c.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": f"Item {i}: give a thing"}], max_tokens=40,
-            stream=True, response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}})
+            model="tiny",
+            messages=[{"role": "user", "content": f"Item {i}: give a thing"}],
+            max_tokens=40,
+            stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
+        )
         async for ev in stream:
             if ev.choices:
                 text += ev.choices[0].delta.content or ""
@@ -192,8 +204,9 @@ def test_clients_that_disconnect_mid_stream_free_their_pages(served):
 
     async def leave_early(c: httpx.AsyncClient, i: int) -> None:
         msgs = [{"role": "user", "content": f"Client {i} writes a long text"}]
-        async with c.stream("POST", f"{srv.url}/v1/chat/completions", json={**body, "messages": msgs},
-                            headers=headers) as r:
+        async with c.stream(
+            "POST", f"{srv.url}/v1/chat/completions", json={**body, "messages": msgs}, headers=headers
+        ) as r:
             assert r.status_code == 200
             seen = 0
             async for line in r.aiter_lines():

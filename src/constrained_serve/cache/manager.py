@@ -6,10 +6,12 @@ them and locks the matched node so they cannot be evicted while it runs); at rel
 request's computed, page-aligned tokens are inserted into the cache (which takes its own
 reference on pages it adopts), the node is unlocked, and the request drops its references.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..request import Request
 from .pool import OutOfPages, PagePool
@@ -22,8 +24,13 @@ logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
-    def __init__(self, pool: PagePool, radix: RadixCache | None = None, pins: PinRegistry | None = None,
-                 copy_page_prefix: Callable[[int, int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        radix: RadixCache | None = None,
+        pins: PinRegistry | None = None,
+        copy_page_prefix: Callable[[int, int, int], None] | None = None,
+    ) -> None:
         self.pool = pool
         # Open conversations' locks on their cached history (pins.py). The scheduler has them
         # released only as a last resort: when a request could not run at all otherwise (it
@@ -161,4 +168,5 @@ class KVCacheManager:
             self.radix.check_accounting(len(in_use))
         else:
             assert self.pool.num_free + len(in_use) == self.pool.num_pages, (
-                f"page leak: free {self.pool.num_free} + in use {len(in_use)} != {self.pool.num_pages}")
+                f"page leak: free {self.pool.num_free} + in use {len(in_use)} != {self.pool.num_pages}"
+            )

@@ -15,13 +15,15 @@ mid-step, so it only queues: taking the engine's lock there deadlocked.
 Every method takes the engine's lock (an RLock), the one its steps hold: the radix tree and
 the page references are shared with them.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..interrupts import sigint_deferred
 from .pool import PagePool

@@ -4,6 +4,7 @@ The pool only does bookkeeping on page ids; the KV tensors themselves live in th
 A page is *free* (ref 0, on the free list) or *held* (ref >= 1: by running requests and/or
 by the radix cache). The radix cache adds its own ref to every page it stores.
 """
+
 from __future__ import annotations
 
 

@@ -50,6 +50,7 @@ node is evictable iff it is a leaf with ``lock_ref == 0``. Splitting a node keep
 half as the original object, so a lock handle taken earlier stays valid; the new upper half
 inherits the lock count because every lock below passes through it.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -150,8 +151,9 @@ class RadixCache:
                 best, best_n = child.pages[0], n
         return best, min(best_n, ps - 1)
 
-    def _walk(self, key_tokens: tuple[int, ...], n_pages: int,
-              start: Node | None = None) -> tuple[Node, int, list[int]]:
+    def _walk(
+        self, key_tokens: tuple[int, ...], n_pages: int, start: Node | None = None
+    ) -> tuple[Node, int, list[int]]:
         """Follow the tree along key_tokens from ``start`` (default: the root), splitting the
         last node at the point of divergence. Returns (deepest node reached, pages matched,
         their page ids); refreshes last_access."""
@@ -214,8 +216,7 @@ class RadixCache:
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int],
-               under: Node | None = None) -> tuple[int, Node]:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], under: Node | None = None) -> tuple[int, Node]:
         """Cache the page-aligned prefix of ``tokens`` (``len(tokens) // page_size`` pages).
 
         ``pages[j]`` holds ``tokens[j*ps:(j+1)*ps]``; extra pages (a partial tail) are
@@ -324,9 +325,9 @@ class RadixCache:
                         f"node {node.id} locked but its parent is not"
                     )
                 assert node.last_access <= self._clock
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) or (
-                node is root
-            ), f"node {node.id}: lock_ref below its children's"
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) or (node is root), (
+                f"node {node.id}: lock_ref below its children's"
+            )
             for key, child in node.children.items():
                 assert len(key) == ps and child.tokens[:ps] == key, f"bad key on {child.id}"
                 assert child.parent is node
@@ -336,9 +337,7 @@ class RadixCache:
                 assert self.pool.ref_count(p) >= 1, f"cached page {p} is free in the pool"
             cached += node.num_pages
         assert cached == self._num_cached, f"cached count {self._num_cached} != {cached}"
-        assert protected == self._num_protected, (
-            f"protected count {self._num_protected} != {protected}"
-        )
+        assert protected == self._num_protected, f"protected count {self._num_protected} != {protected}"
         leaves = {n for n in self._nodes() if self._evictable(n)}
         assert leaves == self._leaves, (
             f"evictable leaves kept {sorted(n.id for n in self._leaves)} != {sorted(n.id for n in leaves)}"

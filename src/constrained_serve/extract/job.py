@@ -14,6 +14,7 @@ rerun gives exactly one row per input line.
 Nothing here needs a model: ``run_extract`` takes any object with the Engine's
 ``generate_iter`` and the rest is plain file logic, unit-tested on its own.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ import re
 import string
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from .output import written_row_key
 
@@ -86,16 +88,21 @@ class PromptBuilder:
         self.instructions = instructions
         # Validate the template once, up front: a bad template is a usage error, not 10k error rows.
         try:
-            parts = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(self.template)
-                     if name is not None]
+            parts = [
+                (name, spec, conv)
+                for _, name, spec, conv in string.Formatter().parse(self.template)
+                if name is not None
+            ]
         except ValueError as e:
             raise ValueError(f"bad --template {self.template!r}: {e}") from None
         self.fields = [name for name, _, _ in parts]
         if not self.fields:
             raise ValueError(f"--template {self.template!r} names no field; use e.g. '... {{text}} ...'")
         if template is None and not _FIELD_NAME.match(field):
-            raise ValueError(f"--field {field!r} is not a plain field name (nested fields such as a.b are not "
-                             "supported; a --template can combine several top-level fields)")
+            raise ValueError(
+                f"--field {field!r} is not a plain field name (nested fields such as a.b are not "
+                "supported; a --template can combine several top-level fields)"
+            )
         for name, spec, conv in parts:
             if not _FIELD_NAME.match(name):
                 raise ValueError(
@@ -103,8 +110,10 @@ class PromptBuilder:
                     "attribute lookups are not supported; write {{ and }} for literal braces)"
                 )
             if spec or conv:
-                raise ValueError(f"--template field {{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}: "
-                                 "format specs and conversions are not supported (fields are inserted as text)")
+                raise ValueError(
+                    f"--template field {{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}: "
+                    "format specs and conversions are not supported (fields are inserted as text)"
+                )
 
     def build(self, record: Mapping[str, Any]) -> list[dict[str, str]]:
         """Chat messages for ``record``; KeyError naming the field when one is missing."""
@@ -161,7 +170,7 @@ def parse_record(record: Mapping[str, Any], line_no: int, builder: PromptBuilder
         msg = f"line {line_no} has no field {e.args[0]!r} (or it is null)"
         return InputItem(line_no, row_id, error=_err(MISSING_FIELD, msg), by_line=from_line)
     except UnicodeEncodeError as e:
-        msg = f"line {line_no}: the text is not valid Unicode (a lone surrogate {e.object[e.start:e.end]!a})"
+        msg = f"line {line_no}: the text is not valid Unicode (a lone surrogate {e.object[e.start : e.end]!a})"
         return InputItem(line_no, row_id, error=_err(INVALID_TEXT, msg), by_line=from_line)
     return InputItem(line_no, row_id, messages=messages, by_line=from_line)
 
@@ -193,9 +202,14 @@ def read_items(
             if first != line_no:
                 repeats += 1
                 if repeats <= 5:
-                    logger.warning("line %d repeats the id %s of line %d: its row carries \"line\": %d%s",
-                                   line_no, item.key, first, line_no,
-                                   " (further repeated ids are not reported)" if repeats == 5 else "")
+                    logger.warning(
+                        'line %d repeats the id %s of line %d: its row carries "line": %d%s',
+                        line_no,
+                        item.key,
+                        first,
+                        line_no,
+                        " (further repeated ids are not reported)" if repeats == 5 else "",
+                    )
                 item = replace(item, by_line=True)
         if item.key in done:
             if on_skip is not None:
@@ -264,8 +278,10 @@ def result_row(row_id: Any, result: Any, *, json_output: bool, max_tokens: int |
         value = dump(mode="json", by_alias=True)
     if finish == "length" and (not json_output or value is None):
         if max_tokens is not None and usage["completion_tokens"] < max_tokens:
-            msg = (f"output stopped at the model's context length ({usage['prompt_tokens']} prompt + "
-                   f"{usage['completion_tokens']} output tokens); shorten the input")
+            msg = (
+                f"output stopped at the model's context length ({usage['prompt_tokens']} prompt + "
+                f"{usage['completion_tokens']} output tokens); shorten the input"
+            )
         else:
             msg = error or f"output truncated at max_tokens ({usage['completion_tokens']} tokens); raise --max-tokens"
         return {"id": row_id, "error": {**_err(TRUNCATED, msg), "text": text}, "finish_reason": finish, "usage": usage}
@@ -367,8 +383,12 @@ def run_extract(
     for result in results:
         flush_errors()
         item = pending.popleft()
-        emit({**item.row_head(), **result_row(item.id, result, json_output=json_output,
-                                              max_tokens=getattr(params, "max_tokens", None))})
+        emit(
+            {
+                **item.row_head(),
+                **result_row(item.id, result, json_output=json_output, max_tokens=getattr(params, "max_tokens", None)),
+            }
+        )
     flush_errors()
     if pending:  # the engine returned fewer results than it was given prompts
         raise RuntimeError(f"engine returned no result for {len(pending)} input rows")

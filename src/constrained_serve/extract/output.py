@@ -8,6 +8,7 @@ is among them is done (``job.read_items`` skips it).
 A row's key is its id, or its line number for rows that carry ``"line"`` (lines without a
 usable id, and lines repeating an earlier line's id; see ``job.InputItem.row_head``).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,10 @@ def scan_and_repair(f: IO[bytes], path: str) -> tuple[set[str], int]:
     for line_no, raw in enumerate(f, 1):
         if not raw.endswith(b"\n"):
             if not _partial_row(raw):  # not the start of a row we write: not ours to cut
-                raise OutputFileError(f"{path}: line {line_no} is not an output row and has no newline; "
-                                      "not appending to it (is this the right file?)")
+                raise OutputFileError(
+                    f"{path}: line {line_no} is not an output row and has no newline; "
+                    "not appending to it (is this the right file?)"
+                )
             logger.warning("%s: dropping a partial last line (%d bytes) left by an interrupted run", path, len(raw))
             break
         good_end += len(raw)
@@ -69,8 +72,10 @@ def scan_and_repair(f: IO[bytes], path: str) -> tuple[set[str], int]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise OutputFileError(f"{path}: line {line_no} is not a JSON row ({e}); not appending to it") from None
         if not _is_row(row):
-            raise OutputFileError(f"{path}: line {line_no} is not an output row (no 'id' with 'output' or "
-                                  "'error'); not appending to it (is this the right file?)")
+            raise OutputFileError(
+                f"{path}: line {line_no} is not an output row (no 'id' with 'output' or "
+                "'error'); not appending to it (is this the right file?)"
+            )
         keys.add(written_row_key(row))
         rows += 1
     f.truncate(good_end)
@@ -99,8 +104,10 @@ class JsonlSink:
     def __init__(self, path: str, flag: str = "-o"):
         self.path = path
         if os.path.exists(path) and not os.path.isfile(path):
-            raise OutputFileError(f"{flag} {path}: not a regular file (the output is appended to and "
-                                  "re-read on resume, so it must be a file)")
+            raise OutputFileError(
+                f"{flag} {path}: not a regular file (the output is appended to and "
+                "re-read on resume, so it must be a file)"
+            )
         self.created = not os.path.exists(path)
         try:
             self._f = open(path, "a+b")
@@ -182,8 +189,9 @@ def open_sinks(output: str, errors: str | None = None, input_path: str | None = 
     input file, which neither may be (resuming would cut and skip the input's own lines)."""
     for flag, path in (("-o", output), ("--errors", errors)):
         if path == "-":
-            raise OutputFileError(f"{flag} - (stdout) is not supported: the output must be a file, "
-                                  "which a rerun resumes")
+            raise OutputFileError(
+                f"{flag} - (stdout) is not supported: the output must be a file, which a rerun resumes"
+            )
         if path is not None and input_path not in (None, "-") and _same_file(path, input_path):
             raise OutputFileError(f"{flag} {path} is the input file; write the output to another file")
     if errors is not None and _same_file(errors, output):

@@ -2,15 +2,23 @@
 
 Imports are lazy: grammar worker processes import ``constrained_serve.grammar.worker``, and
 must not pay for torch (which the manager needs) on the way."""
+
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
 _EXPORTS = {
-    "CompiledGrammar": ".base", "GrammarBackend": ".base", "GrammarMatcher": ".base", "bitmask_width": ".base",
-    "BACKENDS": ".manager", "GrammarManager": ".manager", "MatcherHandle": ".manager",
-    "canonical_json": ".spec", "make_output_spec": ".spec", "parse_output": ".spec",
+    "CompiledGrammar": ".base",
+    "GrammarBackend": ".base",
+    "GrammarMatcher": ".base",
+    "bitmask_width": ".base",
+    "BACKENDS": ".manager",
+    "GrammarManager": ".manager",
+    "MatcherHandle": ".manager",
+    "canonical_json": ".spec",
+    "make_output_spec": ".spec",
+    "parse_output": ".spec",
     "TokenizerData": ".tokenizer_data",
 }
 

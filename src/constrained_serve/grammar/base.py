@@ -13,11 +13,13 @@ token ``t`` is allowed. ``vocab_size`` is the model's logits width; ids past the
 tokenizer's vocabulary are never allowed. EOS ids are allowed exactly where the grammar
 may end; a finished matcher's row allows EOS only, so a row is never all-masked.
 """
+
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

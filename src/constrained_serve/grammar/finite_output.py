@@ -12,12 +12,12 @@ The reading is conservative: a construct it does not know (``Regex(...)``, ``Tag
 a lookahead) counts as able to end, and text it cannot parse makes it give no answer, so a
 good grammar is never refused; it only finds rules that certainly cannot end.
 """
+
 from __future__ import annotations
 
 import logging
 import re
 from dataclasses import dataclass
-from typing import Union
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class _Repeat:
 
 
 _TERMINAL = _Seq(())  # ends at once: a string, a class, anything we do not look into
-_Expr = Union[_Ref, _Seq, _Alt, _Repeat]
+_Expr = _Ref | _Seq | _Alt | _Repeat
 
 
 class _Unreadable(ValueError):
@@ -65,7 +65,7 @@ class _Parser:
         e = self._alt()
         self._space()
         if self.i != len(self.s):
-            raise _Unreadable(f"unexpected {self.s[self.i:self.i + 20]!r}")
+            raise _Unreadable(f"unexpected {self.s[self.i : self.i + 20]!r}")
         return e
 
     def _space(self) -> None:
@@ -111,7 +111,7 @@ class _Parser:
     def _atom(self) -> _Expr | None:
         s, i = self.s, self.i
         ch = s[i]
-        if ch in "\"[":
+        if ch in '"[':
             self.i = self._skip_quoted(i, '"' if ch == '"' else "]")
             return _TERMINAL
         if s.startswith("(=", i) or s.startswith("(!", i):  # a lookahead: no text of its own
@@ -131,7 +131,7 @@ class _Parser:
                 self.i = self._skip_group(self.i)
                 return _TERMINAL
             return _Ref(m.group())
-        raise _Unreadable(f"unexpected {s[i:i + 20]!r}")
+        raise _Unreadable(f"unexpected {s[i : i + 20]!r}")
 
     def _skip_quoted(self, i: int, close: str) -> int:
         j = i + 1
@@ -148,7 +148,7 @@ class _Parser:
         depth, j = 0, i
         while j < len(self.s):
             ch = self.s[j]
-            if ch in "\"[":
+            if ch in '"[':
                 j = self._skip_quoted(j, '"' if ch == '"' else "]")
                 continue
             depth += ch == "("

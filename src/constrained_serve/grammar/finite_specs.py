@@ -18,6 +18,7 @@ Every reading is conservative: what it does not understand counts as able to end
 grammar it cannot read is not checked (the backend then decides), so a good spec is never
 refused here.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,7 @@ def check_can_end(spec: OutputSpec, backend: str) -> None:
         reason = "the spec matches no finite text (it can never be complete)"
     else:
         what = "subschema(s)" if spec.is_json else "rule(s)"
-        reason = (f"{what} {', '.join(stuck[:5])} can never end: an output that entered one could never be "
-                  f"complete")
+        reason = f"{what} {', '.join(stuck[:5])} can never end: an output that entered one could never be complete"
     raise GrammarError(f"{backend} refuses {spec.kind} {snippet!r}: {reason}", backend=backend, reason=reason)
 
 
@@ -57,7 +57,7 @@ def never_ending_parts(spec: OutputSpec) -> list[str]:
     """The parts of ``spec`` (JSON pointers, rule names) that can never end, the whole spec
     ("#", "start", "root") first when it is one; [] when none is found or the spec is not read."""
     try:
-        if spec.kind == "json_schema" and ("$ref" in spec.text or "Ref\"" in spec.text):
+        if spec.kind == "json_schema" and ("$ref" in spec.text or 'Ref"' in spec.text):
             return _schema_parts(json.loads(spec.text))
         if spec.kind == "lark":
             return _lark_rules(spec.text)
@@ -160,8 +160,7 @@ def _lark_rules(text: str) -> list[str]:
     while changed:
         changed = False
         for name, expansions in by_origin.items():
-            if name not in ending and any(all(sym.is_term or sym.name in ending for sym in exp)
-                                          for exp in expansions):
+            if name not in ending and any(all(sym.is_term or sym.name in ending for sym in exp) for exp in expansions):
                 ending.add(name)
                 changed = True
     reachable, todo = {"start"}, ["start"]

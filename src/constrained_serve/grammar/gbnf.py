@@ -8,6 +8,7 @@ for llguidance, ``\\u``/``\\U`` become the character itself, or ``\\xHH`` where 
 means something there (quote, bracket, backslash, ``-``/``^`` in a class, control characters;
 all below 0x80); for xgrammar, ``\\xHH`` becomes ``\\u00HH``.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,7 +45,7 @@ def gbnf_for_backend(text: str, backend: str) -> str:
                 out.append(_spell(_code_point(m), context, backend))
                 i = m.end()
             else:
-                out.append(text[i:i + 2])  # \n, \", \\, \] ...: both backends read these alike
+                out.append(text[i : i + 2])  # \n, \", \\, \] ...: both backends read these alike
                 i += 2
             continue
         if (context == '"' and ch == '"') or (context == "[" and ch == "]"):

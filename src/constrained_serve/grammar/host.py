@@ -19,14 +19,16 @@ message, reason))``, so one failing item never fails the others. The ops:
     fill mid row            -> None        the mask row, written into the shared bitmask
     accept mid tokens / rollback mid n / forced mid / state mid / dead_end mid / matches gid text
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,8 +46,7 @@ Outcome = tuple[bool, Any]
 
 # The fields of an ``advance`` result, in order (a plain tuple crosses the process boundary
 # cheapest; the manager reads it as manager.Advance).
-ADVANCE_FIELDS = ("accepted", "error", "dead_end", "finished_first", "can_end_first", "forced", "finished",
-                  "can_end")
+ADVANCE_FIELDS = ("accepted", "error", "dead_end", "finished_first", "can_end_first", "forced", "finished", "can_end")
 
 
 def make_backend(name: str, tokenizer: TokenizerData, **options: Any) -> GrammarBackend:
@@ -118,8 +119,11 @@ class MatcherHost:
         compiled = b.compile(spec)
         # Refused at submit like any bad spec, rather than aborting mid-batch.
         if b.dead_end(b.new_matcher(compiled)):
-            raise GrammarError(f"{b.name}: the {spec.kind} spec matches no text at all "
-                               f"(nothing can be generated from its start)", backend=b.name, reason="matches no text")
+            raise GrammarError(
+                f"{b.name}: the {spec.kind} spec matches no text at all (nothing can be generated from its start)",
+                backend=b.name,
+                reason="matches no text",
+            )
         self.grammars[gid] = compiled
         return compiled.payload, compiled.warnings, compiled.compile_s
 
@@ -141,17 +145,21 @@ class MatcherHost:
         err = m.error()
         if err is not None:
             del self.grammars[gid]
-            raise GrammarError(f"{self.backend.name} failed while checking the output: {err}",
-                               backend=self.backend.name, reason=err)
+            raise GrammarError(
+                f"{self.backend.name} failed while checking the output: {err}", backend=self.backend.name, reason=err
+            )
         return False
 
     # -- matchers ------------------------------------------------------------------------
     def _new(self, mid: int, gid: int, history: Sequence[int]) -> None:
         m = self.backend.new_matcher(self.grammars[gid])
         if history and not m.accept_tokens(history):
-            raise GrammarError(f"{self.backend.name}: replaying {len(history)} accepted tokens failed: "
-                               f"{m.error() or 'a token was refused'}", backend=self.backend.name,
-                               reason=m.error())
+            raise GrammarError(
+                f"{self.backend.name}: replaying {len(history)} accepted tokens failed: "
+                f"{m.error() or 'a token was refused'}",
+                backend=self.backend.name,
+                reason=m.error(),
+            )
         self.matchers[mid] = m
 
     def _drop(self, mid: int) -> None:
@@ -172,7 +180,7 @@ class MatcherHost:
             ff = m.forced_tokens()[:room]
             cut = next((i for i, t in enumerate(ff) if t in stop_ids), None)
             if cut is not None:
-                ff = ff[:cut + 1]
+                ff = ff[: cut + 1]
             if ff and m.accept_tokens(ff):
                 forced = ff
             elif ff:
@@ -244,8 +252,9 @@ class InlineClient:
     alive = True
     pid = None
 
-    def __init__(self, backend: str, tokenizer: TokenizerData, options: dict[str, Any],
-                 bitmask: Any, label: str = ""):  # bitmask: a worker.SharedBitmask or None
+    def __init__(
+        self, backend: str, tokenizer: TokenizerData, options: dict[str, Any], bitmask: Any, label: str = ""
+    ):  # bitmask: a worker.SharedBitmask or None
         self.backend, self.label = backend, label or backend
         self._args = (backend, tokenizer, options)
         self.bitmask = bitmask
@@ -256,8 +265,9 @@ class InlineClient:
     def start(self) -> None:
         if self.host is None:
             name, tokenizer, options = self._args
-            self.host = MatcherHost(make_backend(name, tokenizer, **options),
-                                    self.bitmask.array if self.bitmask else None)
+            self.host = MatcherHost(
+                make_backend(name, tokenizer, **options), self.bitmask.array if self.bitmask else None
+            )
             self.epoch += 1
 
     def submit(self, items: list[tuple], deadlines: Sequence[float]) -> None:
@@ -276,5 +286,3 @@ class InlineClient:
         pass
 
     close = kill
-
-

@@ -5,13 +5,14 @@ the grammar and reports errors and warnings); each request gets a ``deep_copy`` 
 which is much cheaper than re-parsing the grammar. The payload that rebuilds the template in
 another process is llguidance's own grammar text (the JSON Schema or Lark already converted).
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import re
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import llguidance
 import numpy as np
@@ -129,8 +130,10 @@ def _located(spec: OutputSpec, error: str) -> str:
             lines = spec.text.splitlines()
             line = int(m.group(1))
             shown = lines[line - 1] if 0 < line <= len(lines) else ""
-            return (f"line {m.group(1)}, column {m.group(2)}: lexer error (an unterminated string or regular "
-                    f"expression?)\n{shown}\n{' ' * (int(m.group(2)) - 1)}^")
+            return (
+                f"line {m.group(1)}, column {m.group(2)}: lexer error (an unterminated string or regular "
+                f"expression?)\n{shown}\n{' ' * (int(m.group(2)) - 1)}^"
+            )
     except Exception:  # noqa: BLE001 - lark reads it otherwise: keep llguidance's message
         pass
     return error
@@ -158,19 +161,20 @@ class LLGuidanceBackend(GrammarBackend):
         self.width = bitmask_width(self.vocab_size)
         # n_vocab = the model width: ids past the tokenizer's vocabulary are never allowed.
         # (llguidance.hf.from_tokenizer does the same from a Hugging Face tokenizer.)
-        self.ll_tokenizer = LLTokenizer(tokenizer.tokenizer_json, n_vocab=self.vocab_size,
-                                        eos_token=self.eos_token_ids)
+        self.ll_tokenizer = LLTokenizer(tokenizer.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         self._eos = frozenset(self.eos_token_ids)
 
     # -- compile -------------------------------------------------------------------------
     def grammar_text(self, spec: OutputSpec) -> str:
         """The llguidance grammar (JSON) for ``spec``; raises GrammarError on conversion errors."""
         if spec.is_json:
-            options = {"whitespace_flexible": spec.whitespace,
-                       # lenient ignores unimplemented keywords (with a warning) instead of failing;
-                       # coerce_one_of approximates oneOf by anyOf where branches may overlap.
-                       "lenient": not spec.strict,
-                       "coerce_one_of": not spec.strict}
+            options = {
+                "whitespace_flexible": spec.whitespace,
+                # lenient ignores unimplemented keywords (with a warning) instead of failing;
+                # coerce_one_of approximates oneOf by anyOf where branches may overlap.
+                "lenient": not spec.strict,
+                "coerce_one_of": not spec.strict,
+            }
             if not spec.whitespace:
                 options.update(item_separator=",", key_separator=":")
             try:

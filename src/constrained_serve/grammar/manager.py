@@ -5,10 +5,11 @@ Two kinds of worker per backend (``worker.py``): compile workers (up to ``max_wo
 specs and check finished outputs (``matches``); mask workers (``mask_threads`` of them) hold
 the requests' matchers and write mask rows into the shared step bitmask. A compile that
 overruns ``compile_timeout_s``, or a matcher operation that overruns its request's
-``mask_timeout_s`` (by default 0.5 s with llguidance, 3 s with xgrammar), gets its worker killed (its memory comes back) and restarted; the request
-it was working for fails alone with a ``GrammarError`` naming the cause. The other matchers of a
-killed mask worker are rebuilt in the new one from the tokens they had accepted (``history``),
-lazily, the next time they are used, and their work is retried.
+``mask_timeout_s`` (by default 0.5 s with llguidance, 3 s with xgrammar), gets its worker
+killed (its memory comes back) and restarted; the request it was working for fails alone
+with a ``GrammarError`` naming the cause. The other matchers of a killed mask worker are
+rebuilt in the new one from the tokens they had accepted (``history``), lazily, the next
+time they are used, and their work is retried.
 
 - A spec whose compile timed out is remembered by its shape (``spec_shape``: the spec with
   letters and digits folded, so trivial edits of a runaway grammar do not start another)
@@ -31,6 +32,7 @@ Typical engine use (mask operations come from one thread at a time: the step loo
     [adv] = gm.advance([(h, [sampled], room, stop_ids)])
     gm.release(h)                                  # when the request ends
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,7 +43,8 @@ import logging
 import re
 import threading
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,11 +114,21 @@ def _fold_patterns(schema: Any) -> Any:
 
 
 class GrammarManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, default_backend: str = "llguidance",
-                 max_workers: int = 2, cache_size: int = 256, eos_token_ids: Sequence[int] | None = None,
-                 compile_timeout_s: float = 10.0, backend_options: dict[str, dict[str, Any]] | None = None,
-                 mask_threads: int | None = None, mask_timeout_s: float | None = None, isolation: str = "process",
-                 max_rows: int = 64):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        default_backend: str = "llguidance",
+        max_workers: int = 2,
+        cache_size: int = 256,
+        eos_token_ids: Sequence[int] | None = None,
+        compile_timeout_s: float = 10.0,
+        backend_options: dict[str, dict[str, Any]] | None = None,
+        mask_threads: int | None = None,
+        mask_timeout_s: float | None = None,
+        isolation: str = "process",
+        max_rows: int = 64,
+    ):
         if default_backend not in BACKENDS:
             raise ValueError(f"default_backend must be one of {BACKENDS}, got {default_backend!r}")
         if isolation not in ("process", "inline"):
@@ -166,8 +179,16 @@ class GrammarManager:
         self._closed = False
         # timeouts: compiles killed at compile_timeout_s; timeout_refusals: specs refused for
         # the shape of one that timed out; mask_overruns: matcher operations killed
-        self.stats = {"hits": 0, "misses": 0, "compiles": 0, "timeouts": 0, "timeout_refusals": 0,
-                      "mask_overruns": 0, "worker_restarts": 0, "evictions": 0}
+        self.stats = {
+            "hits": 0,
+            "misses": 0,
+            "compiles": 0,
+            "timeouts": 0,
+            "timeout_refusals": 0,
+            "mask_overruns": 0,
+            "worker_restarts": 0,
+            "evictions": 0,
+        }
         weakref.finalize(self, GrammarManager._close_all, self._compilers, self._maskers, self._bitmask)
 
     # -- workers -------------------------------------------------------------------------
@@ -189,8 +210,9 @@ class GrammarManager:
         with self._lock:
             clients = self._maskers.get(name)
             if clients is None:
-                clients = self._maskers[name] = [self._client(name, f"{name} mask #{i}", self._bitmask)
-                                                 for i in range(self._mask_workers)]
+                clients = self._maskers[name] = [
+                    self._client(name, f"{name} mask #{i}", self._bitmask) for i in range(self._mask_workers)
+                ]
             return clients
 
     def warm_up(self, backend: str | None = None) -> cf.Future:
@@ -243,16 +265,16 @@ class GrammarManager:
     def cache_key(spec: OutputSpec, backend: str) -> CacheKey:
         return (backend, spec.kind, spec.text, spec.whitespace, spec.strict)
 
-    def compile_async(self, spec: OutputSpec, backend: str | None = None,
-                      timeout_s: float | None = None) -> cf.Future:
+    def compile_async(self, spec: OutputSpec, backend: str | None = None, timeout_s: float | None = None) -> cf.Future:
         """A future of the ``CompiledGrammar``; ``.result()`` raises GrammarError on failure.
         ``timeout_s``: this compile's deadline (None: ``compile_timeout_s``)."""
         name = backend or self.default_backend
         fut: cf.Future
         if name not in BACKENDS:
             fut = cf.Future()
-            fut.set_exception(GrammarError(f"unknown grammar backend {name!r}; expected one of {BACKENDS}",
-                                           backend=name))
+            fut.set_exception(
+                GrammarError(f"unknown grammar backend {name!r}; expected one of {BACKENDS}", backend=name)
+            )
             return fut
         timeout = float(timeout_s or self.compile_timeout_s)
         key = self.cache_key(spec, name)
@@ -294,8 +316,11 @@ class GrammarManager:
                     self._loaded_in(client).add(gid)
             except WorkerFailure as e:
                 if not e.overrun:
-                    raise GrammarError(f"{name}: the grammar worker failed while compiling the {spec.kind} spec: {e}",
-                                       backend=name, reason="worker failure") from None
+                    raise GrammarError(
+                        f"{name}: the grammar worker failed while compiling the {spec.kind} spec: {e}",
+                        backend=name,
+                        reason="worker failure",
+                    ) from None
                 raise self._timed_out_error(spec, name, timeout, e.elapsed) from None
             finally:
                 self._release_compiler(name, client)
@@ -303,8 +328,11 @@ class GrammarManager:
                 etype, message, reason = value
                 if etype == "GrammarError":
                     raise GrammarError(message, backend=name, reason=reason)
-                raise GrammarError(f"{name}: unexpected error compiling the {spec.kind} spec: {etype}: {message}",
-                                   backend=name, reason=message)
+                raise GrammarError(
+                    f"{name}: unexpected error compiling the {spec.kind} spec: {etype}: {message}",
+                    backend=name,
+                    reason=message,
+                )
             payload, warnings, compile_s = value
             compiled = CompiledGrammar(name, spec, None, compile_s, list(warnings), gid=gid, payload=payload)
             with self._lock:
@@ -314,15 +342,18 @@ class GrammarManager:
             with self._lock:
                 self._pending.pop(key, None)
 
-    def _timed_out_error(self, spec: OutputSpec, name: str, timeout: float,
-                         elapsed: tuple[float, float | None] | None = None) -> GrammarError:
+    def _timed_out_error(
+        self, spec: OutputSpec, name: str, timeout: float, elapsed: tuple[float, float | None] | None = None
+    ) -> GrammarError:
         ran = ""
         if elapsed is not None:
             wall, cpu = elapsed
             ran = f"; it ran {wall:.1f} s" + ("" if cpu is None else f" and used {cpu:.1f} s of CPU")
-        message = (f"{name}: compiling the {spec.kind} spec took longer than {timeout:g} s of CPU time (its worker "
-                   f"was killed{ran}); this spec, and specs of the same shape, are refused at once from now on "
-                   f"unless compile_timeout_s is raised")
+        message = (
+            f"{name}: compiling the {spec.kind} spec took longer than {timeout:g} s of CPU time (its worker "
+            f"was killed{ran}); this spec, and specs of the same shape, are refused at once from now on "
+            f"unless compile_timeout_s is raised"
+        )
         with self._lock:
             self.stats["timeouts"] += 1
             shape = spec_shape(spec, name)
@@ -348,8 +379,11 @@ class GrammarManager:
             if self._cache.get(key) is compiled:
                 del self._cache[key]
                 self.stats["evictions"] += 1
-                logger.warning("%s grammar of a %s spec evicted after a matcher failure: the next request "
-                               "with it compiles afresh", compiled.backend, compiled.spec.kind)
+                logger.warning(
+                    "%s grammar of a %s spec evicted after a matcher failure: the next request with it compiles afresh",
+                    compiled.backend,
+                    compiled.spec.kind,
+                )
             self._retire(compiled.gid)
 
     def _retire(self, gid: int) -> None:
@@ -372,21 +406,28 @@ class GrammarManager:
         name = compiled.backend
         client = self._checkout_compiler(name)
         try:
-            items = [] if compiled.gid in self._loaded_in(client) else [
-                ("load", compiled.gid, compiled.payload, portable(compiled.spec))]
+            items = (
+                []
+                if compiled.gid in self._loaded_in(client)
+                else [("load", compiled.gid, compiled.payload, portable(compiled.spec))]
+            )
             items.append(("matches", compiled.gid, text))
             try:
                 outcome = client.call(items, [self.compile_timeout_s] * len(items))
             except WorkerFailure as e:
-                raise GrammarError(f"{name}: checking a finished output against the {compiled.spec.kind} spec "
-                                   f"failed: {e}", backend=name, reason="worker failure") from None
+                raise GrammarError(
+                    f"{name}: checking a finished output against the {compiled.spec.kind} spec failed: {e}",
+                    backend=name,
+                    reason="worker failure",
+                ) from None
             if len(items) == 2 and outcome[0][0]:
                 self._loaded_in(client).add(compiled.gid)
             ok, value = outcome[-1]
             if not ok:  # the worker dropped its copy (a broken one): the next check rebuilds it
                 self._loaded_in(client).discard(compiled.gid)
-                raise GrammarError(f"{name}: checking a finished output failed: {value[1]}", backend=name,
-                                   reason=value[1])
+                raise GrammarError(
+                    f"{name}: checking a finished output failed: {value[1]}", backend=name, reason=value[1]
+                )
             return bool(value)
         finally:
             self._release_compiler(name, client)
@@ -450,7 +491,7 @@ class GrammarManager:
         if item[0] == "accept" and e.value:
             h.history.extend(item[1])
         elif item[0] == "rollback" and item[1] > 0:
-            del h.history[len(h.history) - item[1]:]
+            del h.history[len(h.history) - item[1] :]
         if s.ok:
             h.finished, h.can_end_now, _ = s.value
         return e.value
@@ -459,8 +500,10 @@ class GrammarManager:
         """For each ``(handle, tokens, room, stop_ids)``: accept ``tokens``, then up to ``room``
         forced tokens (cut after the first of ``stop_ids``); one round trip per worker for
         all of them. None where the handle failed (``handle.failure`` says why)."""
-        entries = [_Entry(h, ("advance", list(toks), int(room), tuple(stop)), h.mask_timeout_s)
-                   for h, toks, room, stop in items]
+        entries = [
+            _Entry(h, ("advance", list(toks), int(room), tuple(stop)), h.mask_timeout_s)
+            for h, toks, room, stop in items
+        ]
         out: list[Advance | None] = []
         for en in self._run(entries):
             h = en.handle
@@ -507,8 +550,9 @@ class GrammarManager:
                     c.bitmask = self._bitmask
             old.close()
 
-    def fill_bitmask_async(self, rows_and_handles: Sequence[tuple[int, MatcherHandle]],
-                           bitmask: torch.Tensor | np.ndarray | None = None) -> PendingMasks:
+    def fill_bitmask_async(
+        self, rows_and_handles: Sequence[tuple[int, MatcherHandle]], bitmask: torch.Tensor | np.ndarray | None = None
+    ) -> PendingMasks:
         """Start filling ``bitmask[row]`` for each ``(row, handle)``; rows not listed keep their
         contents. ``bitmask`` from ``step_bitmask`` is written in place; another tensor or
         array gets the rows copied in by ``wait()``."""
@@ -524,8 +568,9 @@ class GrammarManager:
             raise
         return PendingMasks(self, batch, rows, bitmask)
 
-    def fill_bitmask(self, rows_and_handles: Sequence[tuple[int, MatcherHandle]],
-                     bitmask: torch.Tensor | np.ndarray | None = None) -> list[MatcherHandle]:
+    def fill_bitmask(
+        self, rows_and_handles: Sequence[tuple[int, MatcherHandle]], bitmask: torch.Tensor | np.ndarray | None = None
+    ) -> list[MatcherHandle]:
         return self.fill_bitmask_async(rows_and_handles, bitmask).wait()
 
     def _finish_fill(self, rows: list[tuple[int, MatcherHandle]], dest: Any) -> list[MatcherHandle]:

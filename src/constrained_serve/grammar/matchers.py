@@ -8,12 +8,14 @@ recovery: a worker that overran an item's deadline or died is restarted, the mat
 working on fails (and any in the same grammar state with it), the others are rebuilt and
 their work retried. ``GrammarManager`` (manager.py) is the front of all this.
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..params import OutputSpec
 from .base import CompiledGrammar
@@ -60,8 +62,18 @@ class MatcherHandle:
     worker; this side keeps what the engine reads between steps (finished, can end, why it
     failed) and the tokens it accepted, from which a restarted worker rebuilds it."""
 
-    __slots__ = ("compiled", "mask_timeout_s", "history", "finished", "can_end_now", "failure", "dead_end", "live",
-                 "_manager", "__weakref__")
+    __slots__ = (
+        "compiled",
+        "mask_timeout_s",
+        "history",
+        "finished",
+        "can_end_now",
+        "failure",
+        "dead_end",
+        "live",
+        "_manager",
+        "__weakref__",
+    )
 
     def __init__(self, manager: "GrammarManager", compiled: CompiledGrammar, live: _Live, mask_timeout_s: float):
         self._manager = manager
@@ -120,8 +132,9 @@ class PendingMasks:
     """Mask rows being filled by the workers (``GrammarManager.fill_bitmask_async``).
     ``wait()`` once; ``abandon()`` if the caller cannot wait (it kills the busy workers)."""
 
-    def __init__(self, manager: "GrammarManager", batch: "_Batch | None", rows: list[tuple[int, MatcherHandle]],
-                 dest: Any):
+    def __init__(
+        self, manager: "GrammarManager", batch: "_Batch | None", rows: list[tuple[int, MatcherHandle]], dest: Any
+    ):
         self._manager, self._batch, self._rows, self._dest = manager, batch, rows, dest
 
     def wait(self) -> list[MatcherHandle]:
@@ -247,17 +260,25 @@ class _Batch:
             h = owner if kind == "new" else owner.handle
             op = _WORK.get("new" if kind == "new" else owner.item[0], f"the {owner.item[0]} operation")
             limit = self.m.compile_timeout_s if kind == "new" else owner.deadline
-            reason = (f"{h.backend_name}: {op} took longer than its deadline of {limit:g} s of CPU time (with "
-                      f"{len(h.history)} tokens accepted); the grammar worker was killed" if failure.overrun else
-                      f"{h.backend_name}: the grammar worker crashed during {op} ({failure})")
+            reason = (
+                f"{h.backend_name}: {op} took longer than its deadline of {limit:g} s of CPU time (with "
+                f"{len(h.history)} tokens accepted); the grammar worker was killed"
+                if failure.overrun
+                else f"{h.backend_name}: the grammar worker crashed during {op} ({failure})"
+            )
             if failure.overrun:
                 self.m.stats["mask_overruns"] += 1
             self.m._fail(h, reason)
             # Matchers in the same state would run away the same way: fail them with it.
             for en in self.todo[client]:
                 o = en.handle
-                if (o is not h and o.failure is None and o.compiled.gid == h.compiled.gid
-                        and o.history == h.history and (kind == "new" or en.item == owner.item)):
+                if (
+                    o is not h
+                    and o.failure is None
+                    and o.compiled.gid == h.compiled.gid
+                    and o.history == h.history
+                    and (kind == "new" or en.item == owner.item)
+                ):
                     self.m._fail(o, reason + " (the same grammar state as another request)")
         else:
             self.attempts[client] += 1
@@ -278,13 +299,17 @@ class _Batch:
 
 
 # What an operation that overran was doing, in a user's words.
-_WORK = {"new": "rebuilding the matcher", "advance": "accepting the sampled token and finding the forced ones",
-         "fill": "computing the next-token mask", "accept": "accepting tokens", "forced": "finding the forced tokens",
-         "state": "checking the matcher's state", "dead_end": "checking for a dead end"}
+_WORK = {
+    "new": "rebuilding the matcher",
+    "advance": "accepting the sampled token and finding the forced ones",
+    "fill": "computing the next-token mask",
+    "accept": "accepting tokens",
+    "forced": "finding the forced tokens",
+    "state": "checking the matcher's state",
+    "dead_end": "checking for a dead end",
+}
 
 
 def portable(spec: OutputSpec) -> OutputSpec:
     """The spec without its Python type (a user's class need not be importable in a worker)."""
     return dataclasses.replace(spec, python_type=None) if spec.python_type is not None else spec
-
-

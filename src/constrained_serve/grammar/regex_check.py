@@ -20,13 +20,15 @@ ECMA-262's), a ``{`` that is no quantifier and a ``[`` inside a class are escape
 no exact rewrite (``\\b``, ``\\B``, the inline flags ``a``, ``i`` and ``x``) is not checked.
 A match still running at the timeout is not checked either, and says so in a warning.
 """
+
 from __future__ import annotations
 
 import functools
 import logging
 import re
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import regex
 
@@ -47,8 +49,18 @@ Ranges = list[tuple[int, int]]
 _ECMA_CLASSES: dict[str, Ranges] = {
     "w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
     "d": [(0x30, 0x39)],
-    "s": [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
-          (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)],
+    "s": [
+        (0x09, 0x0D),
+        (0x20, 0x20),
+        (0xA0, 0xA0),
+        (0x1680, 0x1680),
+        (0x2000, 0x200A),
+        (0x2028, 0x2029),
+        (0x202F, 0x202F),
+        (0x205F, 0x205F),
+        (0x3000, 0x3000),
+        (0xFEFF, 0xFEFF),
+    ],
 }
 # Inline flags, global "(?sm)" or scoped "(?s-m:...)": only s, m and u mean the same to regex.
 _FLAGS = re.compile(r"\(\?([aiLmsux]*)(?:-([imsx]*))?[:)]")
@@ -173,8 +185,12 @@ def _bounded(pattern: str, dialect: str, run: Callable[[Any], Any]) -> bool | No
     try:
         return run(compiled) is not None
     except TimeoutError:
-        logger.warning("matching an output against the pattern %r ran past %.2f s (exponential backtracking); "
-                       "the output is left unchecked", pattern, MATCH_TIMEOUT_S)
+        logger.warning(
+            "matching an output against the pattern %r ran past %.2f s (exponential backtracking); "
+            "the output is left unchecked",
+            pattern,
+            MATCH_TIMEOUT_S,
+        )
         return None
 
 
@@ -201,6 +217,7 @@ def ecma_search(pattern: str, text: str) -> bool | None:
 # makes an error: a pattern counts as matching for "additionalProperties", and its
 # patternProperties subschema is not applied. ("unevaluatedProperties" still uses re.)
 
+
 def _pattern(validator: Any, patrn: str, instance: Any, schema: dict) -> Iterator[Any]:
     from jsonschema.exceptions import ValidationError
 
@@ -225,8 +242,7 @@ def _additional_properties(validator: Any, ap: Any, instance: Any, schema: dict)
         return
     properties = schema.get("properties", {})
     patterns = list(schema.get("patternProperties", {}))
-    extras = {k for k in instance
-              if k not in properties and all(ecma_search(p, k) is False for p in patterns)}
+    extras = {k for k in instance if k not in properties and all(ecma_search(p, k) is False for p in patterns)}
     if validator.is_type(ap, "object"):
         for extra in extras:
             yield from validator.descend(instance[extra], ap, path=extra)
@@ -237,15 +253,19 @@ def _additional_properties(validator: Any, ap: Any, instance: Any, schema: dict)
             listed = ", ".join(repr(each) for each in sorted(schema["patternProperties"]))
             yield ValidationError(f"{joined} {verb} not match any of the regexes: {listed}")
         else:
-            yield ValidationError("Additional properties are not allowed (%s %s unexpected)"
-                                  % extras_msg(sorted(extras, key=str)))
+            yield ValidationError(
+                "Additional properties are not allowed ({} {} unexpected)".format(*extras_msg(sorted(extras, key=str)))
+            )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ecma_validator_class(cls: type) -> type:
     """The jsonschema validator class ``cls`` with its pattern keywords on ``ecma_search``."""
     import jsonschema
 
-    mine = {"pattern": _pattern, "patternProperties": _pattern_properties,
-            "additionalProperties": _additional_properties}
+    mine = {
+        "pattern": _pattern,
+        "patternProperties": _pattern_properties,
+        "additionalProperties": _additional_properties,
+    }
     return jsonschema.validators.extend(cls, {k: f for k, f in mine.items() if k in cls.VALIDATORS})

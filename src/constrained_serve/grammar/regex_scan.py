@@ -6,6 +6,7 @@ group opening (``(``, ``(?:``, ``(?P<name>``, inline flags ``(?i)`` / ``(?s-m:``
 (``(?#...)``), a counted quantifier (``{2,5}``), or one other character. Joined, the pieces
 are the pattern again. The pattern is assumed to compile under ``re``.
 """
+
 from __future__ import annotations
 
 import re

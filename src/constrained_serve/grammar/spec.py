@@ -6,6 +6,7 @@ emit object properties in schema order, so that order is part of the grammar's m
 fully sorting it would make two different grammars share one cache entry and would reorder
 the user's model fields alphabetically in generated output.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,8 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from urllib.parse import unquote
 
 from ..errors import GrammarError, OutputValidationError
@@ -162,8 +164,17 @@ def make_output_spec(
     strict: bool = True,
 ) -> OutputSpec | None:
     """Normalize exactly one output constraint into an ``OutputSpec`` (None: unconstrained)."""
-    given = [n for n, v in (("schema", schema), ("regex", regex), ("grammar", grammar),
-                            ("choices", choices), ("response_format", response_format)) if v is not None]
+    given = [
+        n
+        for n, v in (
+            ("schema", schema),
+            ("regex", regex),
+            ("grammar", grammar),
+            ("choices", choices),
+            ("response_format", response_format),
+        )
+        if v is not None
+    ]
     if len(given) > 1:
         raise GrammarError(f"give at most one output constraint, got {', '.join(given)}")
     if not given:
@@ -277,14 +288,18 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
         if python_fullmatch(spec.text, text) is False:  # None: cannot be known, so not checked
             raise OutputValidationError(
                 "the output does not match the regex as Python's re.fullmatch reads it (the grammar "
-                "backend read the pattern differently, e.g. Unicode classes); nothing was repaired", None)
+                "backend read the pattern differently, e.g. Unicode classes); nothing was repaired",
+                None,
+            )
     elif spec.kind == "lark":
         refusal = _lark_refusal(spec.text, text)
         if refusal is not None:
             raise OutputValidationError(
                 f"the output does not parse with the lark package's reading of the grammar ({refusal}); "
                 f"the grammar backend let a terminal stop short of what lark's greedy lexer takes (a "
-                f"terminal that can swallow what follows it, see the README); nothing was repaired", None)
+                f"terminal that can swallow what follows it, see the README); nothing was repaired",
+                None,
+            )
     elif spec.kind == "json_schema":
         validator = _schema_validator(spec.text)
         error = None
@@ -297,7 +312,9 @@ def _check_conformance(spec: OutputSpec, text: str, value: Any) -> None:
             where = "/".join(str(p) for p in error.absolute_path) or "the top level"
             raise OutputValidationError(
                 f"the output does not validate against the schema at {where}: {error.message} (the grammar "
-                f"backend approximated the schema); nothing was repaired", value)
+                f"backend approximated the schema); nothing was repaired",
+                value,
+            )
 
 
 # lark's Earley parser is cubic, or worse, on ambiguous grammars (e: e e | A | b, b: A took
@@ -362,12 +379,14 @@ def _lark_refusal(grammar: str, text: str) -> str | None:
     if earley is None:
         return None
     try:
-        _call_with_deadline(lambda: earley.parse(text), LARK_EARLEY_TIMEOUT_S,
-                            os.path.dirname(lark.__file__) + os.sep)
+        _call_with_deadline(lambda: earley.parse(text), LARK_EARLEY_TIMEOUT_S, os.path.dirname(lark.__file__) + os.sep)
         return None
     except _Deadline:
-        logger.debug("lark's Earley parser ran past %.2f s on a %d-character output: left unchecked",
-                     LARK_EARLEY_TIMEOUT_S, len(text))
+        logger.debug(
+            "lark's Earley parser ran past %.2f s on a %d-character output: left unchecked",
+            LARK_EARLEY_TIMEOUT_S,
+            len(text),
+        )
         return None
     except lark.exceptions.UnexpectedInput as e:
         # lark's first line says what and where; "Expected one of:" lists on the lines after

@@ -6,11 +6,13 @@ xgrammar from its own serialized ``TokenizerInfo`` (made here, in the engine's p
 the Hugging Face tokenizer is). ``JsonTokenizer`` gives the few calls of a Hugging Face fast
 tokenizer that the xgrammar backend's fast-forward makes, over the same JSON.
 """
+
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["JsonTokenizer", "TokenizerData"]
 
@@ -38,10 +40,12 @@ class TokenizerData:
         if not eos:
             raise ValueError("the tokenizer has no eos_token_id; pass eos_token_ids")
         special = set(getattr(tokenizer, "all_special_ids", ()))
-        special.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
-                       if getattr(t, "special", False))
-        return cls(backend.to_str(), int(vocab_size), tuple(eos),
-                   tuple(sorted(i for i in special if 0 <= i < vocab_size)))
+        special.update(
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)
+        )
+        return cls(
+            backend.to_str(), int(vocab_size), tuple(eos), tuple(sorted(i for i in special if 0 <= i < vocab_size))
+        )
 
     def with_xgrammar_info(self, tokenizer: Any) -> "TokenizerData":
         """A copy carrying xgrammar's view of the vocabulary (imports xgrammar here)."""
@@ -65,8 +69,9 @@ class JsonTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
         return {"input_ids": self._tok.encode(text, add_special_tokens=add_special_tokens).ids}
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
-               clean_up_tokenization_spaces: bool = False) -> str:
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False
+    ) -> str:
         if clean_up_tokenization_spaces:
             raise ValueError("JsonTokenizer does not clean up tokenization spaces")
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -17,6 +17,7 @@ the engine's bitmask (``SharedBitmask``) and write mask rows straight into it.
 What it costs (``benchmarks/masks.py``): one round trip per batch of items, about
 100-200 us on the 2-core CI machine, instead of a function call.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,9 +31,10 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -91,8 +93,9 @@ class WorkerFailure(Exception):
     """A worker overran an item's deadline (``overrun``), died, or could not start.
     ``index`` is the item it was running (-1: none, or unknown)."""
 
-    def __init__(self, message: str, index: int = -1, overrun: bool = False,
-                 elapsed: tuple[float, float | None] | None = None):
+    def __init__(
+        self, message: str, index: int = -1, overrun: bool = False, elapsed: tuple[float, float | None] | None = None
+    ):
         super().__init__(message)
         self.index = index
         self.overrun = overrun
@@ -140,8 +143,9 @@ class _Launcher:
         with cls._lock:
             if cls._queue is None:
                 cls._queue = queue.Queue()
-                threading.Thread(target=cls._serve, args=(cls._queue,), name="grammar-worker-launcher",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=cls._serve, args=(cls._queue,), name="grammar-worker-launcher", daemon=True
+                ).start()
         reply: queue.Queue = queue.Queue()
         cls._queue.put((argv, kw, reply))
         ok, value = reply.get()
@@ -181,9 +185,16 @@ class WorkerClient:
     """The engine's side of one worker process: start, send a batch, collect it under
     per-item deadlines, kill. Not thread-safe: one caller at a time (the manager's lock)."""
 
-    def __init__(self, backend: str, tokenizer: Any, options: dict[str, Any] | None = None,
-                 bitmask: SharedBitmask | None = None, label: str = "", start_timeout_s: float = 120.0,
-                 reply_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        backend: str,
+        tokenizer: Any,
+        options: dict[str, Any] | None = None,
+        bitmask: SharedBitmask | None = None,
+        label: str = "",
+        start_timeout_s: float = 120.0,
+        reply_timeout_s: float = 30.0,
+    ):
         self.backend = backend
         self.label = label or backend
         self._tokenizer = tokenizer  # TokenizerData
@@ -228,14 +239,24 @@ class WorkerClient:
         fds = [theirs.fileno(), self._progress_fd] + ([self.bitmask.fd] if self.bitmask else [])
         argv = [sys.executable, "-m", "constrained_serve.grammar.worker", str(os.getpid())] + [str(f) for f in fds]
         try:
-            self._proc = _Launcher.popen(argv, pass_fds=fds, env=_worker_env(), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self._proc = _Launcher.popen(
+                argv,
+                pass_fds=fds,
+                env=_worker_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
         finally:
             theirs.close()
         # What the engines print (xgrammar's C++ warnings, a crash's last words) goes to
         # logging rather than to the user's terminal; read by a thread so the pipe never fills.
-        threading.Thread(target=_forward_stderr, args=(self._proc.stderr, self.label), daemon=True,
-                         name=f"grammar-worker-stderr-{self._proc.pid}").start()
+        threading.Thread(
+            target=_forward_stderr,
+            args=(self._proc.stderr, self.label),
+            daemon=True,
+            name=f"grammar-worker-stderr-{self._proc.pid}",
+        ).start()
         self._conn = Connection(ours.detach())
         self.epoch += 1
         self.starts += 1
@@ -256,8 +277,9 @@ class WorkerClient:
         end = time.monotonic() + timeout_s
         while not self._conn.poll(0.05):
             if not self.alive:
-                raise WorkerFailure(f"the {self.label} grammar worker exited during {what} "
-                                    f"(exit code {self._proc.returncode})")
+                raise WorkerFailure(
+                    f"the {self.label} grammar worker exited during {what} (exit code {self._proc.returncode})"
+                )
             if time.monotonic() > end:
                 raise WorkerFailure(f"the {self.label} grammar worker did not answer within {timeout_s:g} s ({what})")
         return self._conn.recv()
@@ -361,8 +383,13 @@ class WorkerClient:
         self.kill()
         wall, cpu = self._last_elapsed
         ran = f"{wall:.1f} s wall" + ("" if cpu is None else f", {cpu:.1f} s CPU")
-        return WorkerFailure(f"the {self.label} grammar worker overran its deadline of {limit:g} s of CPU time "
-                             f"(item {index}, after {ran}); killed", index=index, overrun=True, elapsed=(wall, cpu))
+        return WorkerFailure(
+            f"the {self.label} grammar worker overran its deadline of {limit:g} s of CPU time "
+            f"(item {index}, after {ran}); killed",
+            index=index,
+            overrun=True,
+            elapsed=(wall, cpu),
+        )
 
 
 def collect_all(clients: Sequence[WorkerClient]) -> list[list[tuple[bool, Any]] | WorkerFailure]:

@@ -6,12 +6,14 @@ such schemas ourselves before compiling; regexes are brought to Python's meaning
 (``xgrammar_gaps.py``). ``strict=False`` accepts, with a warning, what xgrammar only reads
 more loosely.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,7 +96,8 @@ class XGrammarMatcher(GrammarMatcher):
         # text is a complete match (for JSON: at the end), once per state.
         if self._finished is None:
             self._finished = self._m.is_terminated() or (
-                self._m.is_completed() and self._backend.only_eos_allowed(self))
+                self._m.is_completed() and self._backend.only_eos_allowed(self)
+            )
         return self._finished
 
     def can_end(self) -> bool:
@@ -119,8 +122,13 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: list[int], sp
     for token, i in tokenizer.get_vocab().items():
         if i < vocab_size and i not in special:
             vocab[i] = token
-    return xgr.TokenizerInfo(vocab, vocab_type=info.vocab_type, vocab_size=vocab_size,
-                             stop_token_ids=eos_token_ids, add_prefix_space=info.add_prefix_space)
+    return xgr.TokenizerInfo(
+        vocab,
+        vocab_type=info.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=eos_token_ids,
+        add_prefix_space=info.add_prefix_space,
+    )
 
 
 class XGrammarBackend(GrammarBackend):
@@ -138,8 +146,12 @@ class XGrammarBackend(GrammarBackend):
         # precomputing all of them at compile time. Eager compilation of large real-world
         # schemas takes many seconds (beyond the 10 s compile bound on a busy 2-core box);
         # lazily, compile is milliseconds and the first mask of a new state pays instead.
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max(1, num_threads),
-                                             cache_enabled=False, enable_dynamic_compilation=lazy_masks)
+        self._compiler = xgr.GrammarCompiler(
+            self.tokenizer_info,
+            max_threads=max(1, num_threads),
+            cache_enabled=False,
+            enable_dynamic_compilation=lazy_masks,
+        )
         self.eos_row = np.zeros(self.width, dtype=np.uint32)  # allows EOS only
         for t in self.eos_token_ids:
             if t < self.vocab_size:
@@ -185,10 +197,13 @@ class XGrammarBackend(GrammarBackend):
         if spec.is_json:
             text = json.dumps(rewrite_schema(json.loads(spec.text))[0]) if spec.kind == "json_schema" else spec.text
             grammar = xgr.Grammar.from_json_schema(
-                text, any_whitespace=spec.whitespace, separators=None if spec.whitespace else (",", ":"),
+                text,
+                any_whitespace=spec.whitespace,
+                separators=None if spec.whitespace else (",", ":"),
                 # strict_mode=True would forbid additional properties the schema allows;
                 # we keep JSON Schema semantics, the same as llguidance.
-                strict_mode=False)
+                strict_mode=False,
+            )
             mended = ebnf_with_string_escapes(str(grammar))  # escapes in length-bounded strings
             return c.compile_grammar(xgr.Grammar.from_ebnf(mended) if mended else grammar)
         if spec.kind == "regex":
@@ -209,10 +224,13 @@ class XGrammarBackend(GrammarBackend):
         if not stuck:
             return
         if stuck[0] == "root":
-            raise self._error(spec, "the spec matches no finite text (it can never be complete)",
-                              prefix="refuses")
-        raise self._error(spec, f"rule(s) {', '.join(stuck[:5])} of its grammar can never end: an output "
-                                f"that entered one could never be complete", prefix="refuses")
+            raise self._error(spec, "the spec matches no finite text (it can never be complete)", prefix="refuses")
+        raise self._error(
+            spec,
+            f"rule(s) {', '.join(stuck[:5])} of its grammar can never end: an output "
+            f"that entered one could never be complete",
+            prefix="refuses",
+        )
 
     def new_matcher(self, compiled: CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.handle, override_stop_tokens=self.eos_token_ids), self)

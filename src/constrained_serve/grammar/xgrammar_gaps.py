@@ -4,6 +4,7 @@ Python and llguidance do (brought to their meaning, or refused). What xgrammar w
 read more loosely is refused under ``strict=True`` and accepted, with a warning, under
 ``strict=False``. Every case here was seen to accept text that the spec does not match.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,29 +20,80 @@ from .spec import SCHEMA_NAME_MAPS, follow_local_refs, resolve_local_ref
 __all__ = ["unsupported_schema_features", "xgrammar_regex"]
 
 # Validation keywords xgrammar's JSON Schema converter does not enforce (checked on 0.2.9).
-_IGNORED_KEYWORDS = frozenset({
-    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
-    "unevaluatedProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
-    "$dynamicRef", "$recursiveRef", "additionalItems",
-})
-_FORMATS = frozenset({
-    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
-    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-})
+_IGNORED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "$dynamicRef",
+        "$recursiveRef",
+        "additionalItems",
+    }
+)
+_FORMATS = frozenset(
+    {
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("additionalProperties", "additionalItems", "propertyNames", "contains", "not",
-                  "if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "items")
+_SCHEMA_VALUES = (
+    "additionalProperties",
+    "additionalItems",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "items",
+)
 # Lookaround and backreferences: a regex engine without them would match something else.
 # \A \Z \z \G: xgrammar reads them as the letters A, Z, z, G.
 _UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|(?<!\\)(?:\\\\)*\\([1-9]|k<|[AZzG])")
 # Keywords that only constrain strings or numbers: xgrammar drops them from a schema without
 # "type" (which it reads as any value), and next to "enum"/"const" (it checks only those).
-_SCALAR_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-                              "minLength", "maxLength", "pattern", "format"})
+_SCALAR_KEYWORDS = frozenset(
+    {
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+    }
+)
 
 
-def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
-                                seen: set[str] | None = None) -> list[str]:
+def unsupported_schema_features(
+    schema: Any, path: str = "#", root: Any = None, seen: set[str] | None = None
+) -> list[str]:
     """Where ``schema`` uses a feature xgrammar would silently drop or approximate. Local
     ``$ref``s are followed (each target once), so subschemas kept outside the usual places
     (``#/definitions/a/b``) are checked too."""
@@ -74,7 +126,7 @@ def unsupported_schema_features(schema: Any, path: str = "#", root: Any = None,
         if not _constants_obey(schema, scalar):
             found.append(f"{path}/{'/'.join(scalar)} (only the enum/const is checked)")
     elif scalar and "type" not in schema:
-        found.append(f"{path}/{'/'.join(scalar)} (ignored without \"type\")")
+        found.append(f'{path}/{"/".join(scalar)} (ignored without "type")')
     required = schema.get("required")
     types = schema.get("type", "object")
     if isinstance(required, list) and ("object" in types if isinstance(types, list) else types == "object"):
@@ -141,8 +193,11 @@ def _one_of_is_exact(branches: list, root: Any) -> bool:
     if not all(isinstance(b, dict) for b in resolved):
         return False
     types = [b.get("type") for b in resolved]
-    if (all(isinstance(t, str) for t in types) and len(set(types)) == len(types)
-            and not {"integer", "number"} <= set(types)):
+    if (
+        all(isinstance(t, str) for t in types)
+        and len(set(types)) == len(types)
+        and not {"integer", "number"} <= set(types)
+    ):
         return True
     # Without "type": "object" a branch also matches every non-object value.
     if any(t != "object" or not isinstance(b.get("required"), list) for t, b in zip(types, resolved)):
@@ -184,6 +239,7 @@ def xgrammar_regex(pattern: str, strict: bool = True, approximations: list[str] 
 
     (A JSON Schema ``pattern`` does not come here: it means ECMA-262's ASCII ``\\w``/``\\d``,
     which is what xgrammar reads.)"""
+
     def approximate(reason: str) -> None:
         if strict:
             raise _regex_error(pattern, reason + "; strict=False accepts xgrammar's looser reading")
@@ -195,17 +251,31 @@ def xgrammar_regex(pattern: str, strict: bool = True, approximations: list[str] 
     if "\\G" in tokens or inline_flags:
         raise _regex_error(pattern, "xgrammar has no \\G and no inline flags")
     if any(_ascii_class_negated(t) for t in tokens):
-        approximate("\\W, \\D or a negated class with \\w or \\d: xgrammar reads \\w and \\d as ASCII, so their "
-                    "complement takes the letters and digits of other scripts (é, ٣) that Python's re refuses; "
-                    "spell the class out or use llguidance")
-    tokens = ["^" if t == "\\A" else "$" if t in ("\\Z", "\\z") else "[^\\n]" if t == "." else
-              _class(t, pattern) if t.startswith("[") else t for t in tokens]
+        approximate(
+            "\\W, \\D or a negated class with \\w or \\d: xgrammar reads \\w and \\d as ASCII, so their "
+            "complement takes the letters and digits of other scripts (é, ٣) that Python's re refuses; "
+            "spell the class out or use llguidance"
+        )
+    tokens = [
+        "^"
+        if t == "\\A"
+        else "$"
+        if t in ("\\Z", "\\z")
+        else "[^\\n]"
+        if t == "."
+        else _class(t, pattern)
+        if t.startswith("[")
+        else t
+        for t in tokens
+    ]
     if _repeated_anchor(tokens):
         approximate("a repeated group holding an anchor, which xgrammar ignores")
     opens = [t.startswith("(") and not t.startswith("(?#") for t in tokens]  # a comment opens nothing
     closes = [t == ")" for t in tokens]
-    for anchor, seq, is_open, is_close in (("^", tokens, opens, closes),
-                                          ("$", tokens[::-1], closes[::-1], opens[::-1])):
+    for anchor, seq, is_open, is_close in (
+        ("^", tokens, opens, closes),
+        ("$", tokens[::-1], closes[::-1], opens[::-1]),
+    ):
         if not _anchors_at_edge(seq, anchor, is_open, is_close):
             approximate(f"an anchor {anchor!r} inside the text, which xgrammar ignores")
     return "".join(tokens)
@@ -225,7 +295,7 @@ def _class(token: str, pattern: str) -> str:
     """xgrammar reads an escaped ``\\^`` first in a class as negation (``[\\^x]`` took "1"):
     move it to the end, where it is a plain character."""
     head = "[^" if token.startswith("[^") else "["
-    body = token[len(head):-1]
+    body = token[len(head) : -1]
     if not body.startswith("\\^"):
         return token
     rest = body[2:]
@@ -275,5 +345,9 @@ def _anchors_at_edge(tokens: list[str], anchor: str, is_open: list[bool], is_clo
 
 
 def _regex_error(pattern: str, reason: str) -> GrammarError:
-    return GrammarError(f"xgrammar cannot compile regex {pattern!r} as Python reads it: {reason} "
-                        "(the llguidance backend reads it as Python does)", backend="xgrammar", reason=reason)
+    return GrammarError(
+        f"xgrammar cannot compile regex {pattern!r} as Python reads it: {reason} "
+        "(the llguidance backend reads it as Python does)",
+        backend="xgrammar",
+        reason=reason,
+    )

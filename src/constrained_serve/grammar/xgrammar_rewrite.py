@@ -18,6 +18,7 @@ none is reported, so that ``strict=True`` refuses it (``xgrammar_gaps.py`` lists
   raw control characters (invalid JSON): ``ebnf_with_string_escapes`` mends the rules
   xgrammar generates for them (see the xgrammar backend).
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,24 +28,55 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from ..errors import GrammarError
-from .spec import SCHEMA_NAME_MAPS
 from .regex_scan import regex_tokens
+from .spec import SCHEMA_NAME_MAPS
 
 __all__ = ["NEVER", "ebnf_with_string_escapes", "rewrite_schema", "search_pattern"]
 
 _BY_TYPE = {
-    "object": ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
-               "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "unevaluatedProperties"),
-    "array": ("items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains", "minContains",
-              "maxContains", "additionalItems", "unevaluatedItems"),
+    "object": (
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "minProperties",
+        "maxProperties",
+        "propertyNames",
+        "dependentRequired",
+        "dependentSchemas",
+        "unevaluatedProperties",
+    ),
+    "array": (
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "additionalItems",
+        "unevaluatedItems",
+    ),
     "string": ("minLength", "maxLength", "pattern", "format", "contentEncoding", "contentMediaType"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
 }
 _TYPED = frozenset(k for ks in _BY_TYPE.values() for k in ks)
 _SPLIT_TYPES = ("object", "array", "string", "number", "boolean", "null")  # the branches of a split, in order
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("additionalProperties", "additionalItems", "propertyNames", "contains", "not", "if", "then",
-                  "else", "unevaluatedProperties", "unevaluatedItems", "items")
+_SCHEMA_VALUES = (
+    "additionalProperties",
+    "additionalItems",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "items",
+)
 _ANY = r"[\s\S]*"
 
 
@@ -60,9 +92,12 @@ def rewrite_schema(schema: Any) -> tuple[Any, list[str]]:
     notes: list[str] = []
     out = _Rewriter(notes).rewrite(copy.deepcopy(schema), "#")
     if out is NEVER:
-        raise GrammarError("xgrammar cannot compile json_schema: Unsatisfiable schema: it matches no value (no "
-                           "enum/const value satisfies its other keywords)", backend="xgrammar",
-                           reason="unsatisfiable schema")
+        raise GrammarError(
+            "xgrammar cannot compile json_schema: Unsatisfiable schema: it matches no value (no "
+            "enum/const value satisfies its other keywords)",
+            backend="xgrammar",
+            reason="unsatisfiable schema",
+        )
     return out, notes
 
 
@@ -83,7 +118,7 @@ class _Rewriter:
             if isinstance(ref, str):
                 for old, new in sorted(self.moves, key=lambda m: -len(m[0])):  # innermost first
                     if ref == old or ref.startswith(old + "/"):
-                        ref = new + ref[len(old):]
+                        ref = new + ref[len(old) :]
                 s["$ref"] = ref
             for v in s.values():
                 self._move_refs(v)
@@ -98,8 +133,10 @@ def _rewrite(s: Any, path: str, notes: list[str], ctx: "_Rewriter") -> Any:
     for key in sorted(SCHEMA_NAME_MAPS - {"properties"}):
         sub = s.get(key)
         if isinstance(sub, dict):
-            s[key] = {name: _kept(_rewrite(v, f"{path}/{key}/{name}", notes, ctx), f"{path}/{key}/{name}", v, notes)
-                      for name, v in sub.items()}
+            s[key] = {
+                name: _kept(_rewrite(v, f"{path}/{key}/{name}", notes, ctx), f"{path}/{key}/{name}", v, notes)
+                for name, v in sub.items()
+            }
     if isinstance(s.get("properties"), dict) and _never_properties(s, path, notes, ctx):
         return NEVER
     for key in _SCHEMA_LISTS:
@@ -118,8 +155,10 @@ def _rewrite(s: Any, path: str, notes: list[str], ctx: "_Rewriter") -> Any:
     for key in _SCHEMA_VALUES:
         sub = s.get(key)
         if isinstance(sub, list):  # draft-7 tuple "items"
-            s[key] = [_kept(_rewrite(v, f"{path}/{key}/{i}", notes, ctx), f"{path}/{key}/{i}", v, notes)
-                      for i, v in enumerate(sub)]
+            s[key] = [
+                _kept(_rewrite(v, f"{path}/{key}/{i}", notes, ctx), f"{path}/{key}/{i}", v, notes)
+                for i, v in enumerate(sub)
+            ]
         elif isinstance(sub, dict):
             x = _rewrite(sub, f"{path}/{key}", notes, ctx)
             if x is NEVER and key == "additionalProperties":
@@ -210,7 +249,7 @@ def search_pattern(pattern: str) -> str | None:
     for alt in alternatives:
         start = bool(alt) and alt[0] == "^"
         end = len(alt) > start and alt[-1] == "$"
-        body = alt[int(start):len(alt) - int(end)]
+        body = alt[int(start) : len(alt) - int(end)]
         if any(t in ("^", "$") for t in body):
             return None
         out.append(("" if start else _ANY) + "(?:" + "".join(body) + ")" + ("" if end else _ANY))

@@ -1,4 +1,5 @@
 """The one guarded import of Triton: the package and its CPU path work without it."""
+
 from __future__ import annotations
 
 try:
@@ -15,5 +16,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 def require_triton() -> None:
     """Raise a clear error where a Triton kernel is called without Triton."""
     if not HAS_TRITON:
-        raise RuntimeError("triton is not installed: use the torch reference kernels "
-                           "(CONSTRAINED_SERVE_KERNELS=torch) or `pip install triton`")
+        raise RuntimeError(
+            "triton is not installed: use the torch reference kernels "
+            "(CONSTRAINED_SERVE_KERNELS=torch) or `pip install triton`"
+        )

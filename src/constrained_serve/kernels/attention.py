@@ -12,6 +12,7 @@ Decode sequences (chunk of 1) come first in the batch: meta.num_decodes of them.
 Query token j of a chunk of length n sits at position seq_len - n + j and attends causally
 to every key at a position <= its own.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ from .long_chunks import attend_long, long_chunks
 from .short_rows import attend_short, short_groups
 
 
-def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def store_kv_torch(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write the new tokens' K/V ([T, Hkv, D]) into their slots of the page pool, in place."""
     num_pages, page_size, hkv, d = k_cache.shape
     for new, cache in ((k, k_cache), (v, v_cache)):
@@ -36,8 +38,9 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
             cache.view(num_pages * page_size, hkv, d).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
-def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Reference implementation (and the CPU path). Returns [num_tokens, Hq, D]."""
     num_tokens, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -53,7 +56,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # --------------------------------------------------------------------------------------------
 # Triton kernels. Imported lazily so the package (and the CPU path) works without triton.
 # --------------------------------------------------------------------------------------------
-from ._triton import HAS_TRITON, require_triton, tl, triton  # noqa: F401
+from ._triton import HAS_TRITON, require_triton, tl, triton  # noqa: E402, F401
 
 
 def _interpreting() -> bool:
@@ -67,11 +70,24 @@ def _next_pow2(n: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                         stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_ks, stride_kch, stride_vs, stride_vch,
-                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+    def _store_kv_kernel(
+        k_ptr,
+        v_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_ks,
+        stride_kch,
+        stride_vs,
+        stride_vch,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         # Padded tokens carry slot -1: nothing to write.
@@ -79,20 +95,45 @@ if HAS_TRITON:
             offs_h = tl.arange(0, BLOCK_H)
             offs_d = tl.arange(0, HEAD_DIM)
             hmask = (offs_h < NUM_KV_HEADS)[:, None]
-            k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
-                        mask=hmask)
-            v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-                        mask=hmask)
-            tl.store(k_cache_ptr + slot * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :],
-                     k.to(k_cache_ptr.dtype.element_ty), mask=hmask)
-            tl.store(v_cache_ptr + slot * stride_vs + offs_h[:, None] * stride_vch + offs_d[None, :],
-                     v.to(v_cache_ptr.dtype.element_ty), mask=hmask)
+            k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=hmask)
+            v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=hmask)
+            tl.store(
+                k_cache_ptr + slot * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :],
+                k.to(k_cache_ptr.dtype.element_ty),
+                mask=hmask,
+            )
+            tl.store(
+                v_cache_ptr + slot * stride_vs + offs_h[:, None] * stride_vch + offs_d[None, :],
+                v.to(v_cache_ptr.dtype.element_ty),
+                mask=hmask,
+            )
 
     @triton.jit
-    def _attn_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos,
-                   kvh, scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr):
+    def _attn_tile(
+        q,
+        acc,
+        m_i,
+        l_i,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_row_ptr,
+        start,
+        kv_end,
+        q_pos,
+        kvh,
+        scale_log2,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        stride_vp,
+        stride_vs,
+        stride_vh,
+        HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):
         """One BLOCK_N tile of keys: online-softmax update of (acc, m_i, l_i), log2 domain."""
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -101,8 +142,11 @@ if HAS_TRITON:
         page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
         in_page = offs_n % PAGE_SIZE
         # K rows are loaded [N, D] (contiguous along D, coalesced) and transposed for the dot.
-        k = tl.load(k_cache_ptr + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-                    + kvh * stride_kh + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+        k = tl.load(
+            k_cache_ptr + page[:, None] * stride_kp + in_page[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+            mask=n_valid[:, None],
+            other=0.0,
+        )
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -119,8 +163,11 @@ if HAS_TRITON:
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-                    + kvh * stride_vh + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+        v = tl.load(
+            v_cache_ptr + page[:, None] * stride_vp + in_page[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+            mask=n_valid[:, None],
+            other=0.0,
+        )
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -129,11 +176,34 @@ if HAS_TRITON:
         return acc, m_new, l_i
 
     @triton.jit
-    def _paged_attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-                           scale_log2, seq_offset, stride_qt, stride_qh, stride_ot, stride_oh,
-                           stride_bt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    def _paged_attn_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        out_ptr,
+        qsl_ptr,
+        seq_lens_ptr,
+        bt_ptr,
+        scale_log2,
+        seq_offset,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_bt,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        stride_vp,
+        stride_vs,
+        stride_vh,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):
         # Rows of a tile are (query token, head of the GQA group) pairs: the group's heads
         # share every K/V tile, and a decode still fills GROUP rows of the dot.
         b = tl.program_id(0) + seq_offset
@@ -151,8 +221,11 @@ if HAS_TRITON:
             row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
             offs_d = tl.arange(0, HEAD_DIM)
             row = (q_start + tok).to(tl.int64)
-            q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0)
+            q = tl.load(
+                q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
             q_pos = tl.where(row_ok, ctx + tok, -1)
             kv_end = tl.minimum(seq_len, ctx + (qb + 1) * BLOCK_Q)
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -160,22 +233,65 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
             bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
             for start in range(0, kv_end, BLOCK_N):
-                acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr,
-                                           start, kv_end, q_pos, kvh, scale_log2,
-                                           stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                                           stride_vh, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, DOT_FP32)
+                acc, m_i, l_i = _attn_tile(
+                    q,
+                    acc,
+                    m_i,
+                    l_i,
+                    k_cache_ptr,
+                    v_cache_ptr,
+                    bt_row_ptr,
+                    start,
+                    kv_end,
+                    q_pos,
+                    kvh,
+                    scale_log2,
+                    stride_kp,
+                    stride_ks,
+                    stride_kh,
+                    stride_vp,
+                    stride_vs,
+                    stride_vh,
+                    HEAD_DIM,
+                    PAGE_SIZE,
+                    BLOCK_N,
+                    True,
+                    DOT_FP32,
+                )
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(
+                out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
 
     @triton.jit
-    def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
-                                   seq_lens_ptr, bt_ptr, scale_log2, stride_qt, stride_qh, stride_bt,
-                                   stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                   PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   DOT_FP32: tl.constexpr):
+    def _paged_decode_split_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        part_out_ptr,
+        part_lse_ptr,
+        seq_lens_ptr,
+        bt_ptr,
+        scale_log2,
+        stride_qt,
+        stride_qh,
+        stride_bt,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        stride_vp,
+        stride_vs,
+        stride_vh,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):
         # Split-KV decode: few sequences x long contexts leave most SMs idle with one program
         # per (sequence, kv head); each split here covers a slice of the context instead.
         b = tl.program_id(0)
@@ -189,31 +305,61 @@ if HAS_TRITON:
         head = kvh * GROUP + offs_m
         row_ok = offs_m < GROUP
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
         q_pos = tl.where(row_ok, seq_len - 1, -1)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
         for s in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attn_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr,
-                                       s, end, q_pos, kvh, scale_log2,
-                                       stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                                       stride_vh, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, DOT_FP32)
+            acc, m_i, l_i = _attn_tile(
+                q,
+                acc,
+                m_i,
+                l_i,
+                k_cache_ptr,
+                v_cache_ptr,
+                bt_row_ptr,
+                s,
+                end,
+                q_pos,
+                kvh,
+                scale_log2,
+                stride_kp,
+                stride_ks,
+                stride_kh,
+                stride_vp,
+                stride_vs,
+                stride_vh,
+                HEAD_DIM,
+                PAGE_SIZE,
+                BLOCK_N,
+                False,
+                DOT_FP32,
+            )
         has = l_i > 0
         acc = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         # part_out: [B, Hq, NUM_SPLITS, D] fp32, part_lse: [B, Hq, NUM_SPLITS] fp32
         base = (b.to(tl.int64) * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + sp
-        tl.store(part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=row_ok[:, None])
+        tl.store(part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_lse_ptr + base, lse, mask=row_ok)
 
     @triton.jit
-    def _split_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-                             NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-                             HEAD_DIM: tl.constexpr):
+    def _split_reduce_kernel(
+        part_out_ptr,
+        part_lse_ptr,
+        out_ptr,
+        stride_ot,
+        stride_oh,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_P2: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_P2)
@@ -223,15 +369,16 @@ if HAS_TRITON:
         lse = tl.load(part_lse_ptr + base + offs_s, mask=smask, other=float("-inf"))
         m = tl.max(lse, 0)
         w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
-        parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=smask[:, None], other=0.0)
+        parts = tl.load(
+            part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0
+        )
         o = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
-                 o.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
-def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+def store_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Triton version of :func:`store_kv_torch`; slots < 0 are skipped (padding)."""
     require_triton()
     num_tokens, hkv, d = k.shape
@@ -241,18 +388,36 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     for cache in (k_cache, v_cache):  # slot = page * page_size + offset must be one stride
         assert cache.stride(-1) == 1 and cache.stride(0) == cache.shape[1] * cache.stride(1)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv))
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=hkv,
+        HEAD_DIM=d,
+        BLOCK_H=_next_pow2(hkv),
+    )
 
 
 def triton_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Shapes the Triton attention handles (others go to the reference): power-of-two
     head_dim >= 16 and page_size, unit stride along head_dim."""
     d, page_size = q.shape[-1], k_cache.shape[1]
-    return (d >= 16 and d & (d - 1) == 0 and page_size & (page_size - 1) == 0
-            and q.stride(-1) == 1 and k_cache.stride(-1) == 1)
+    return (
+        d >= 16
+        and d & (d - 1) == 0
+        and page_size & (page_size - 1) == 0
+        and q.stride(-1) == 1
+        and k_cache.stride(-1) == 1
+    )
 
 
 def default_num_splits(meta: AttentionMetadata, num_kv_heads: int, target_programs: int = 256) -> int:
@@ -268,10 +433,19 @@ def default_num_splits(meta: AttentionMetadata, num_kv_heads: int, target_progra
     return int(max(1, min(by_occupancy, by_length, 32)))
 
 
-def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float, *, num_splits: int | None = None,
-                           block_m: int | None = None, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
     """Triton version of :func:`paged_attention_torch`. Returns [num_tokens, Hq, D].
 
     ``num_splits`` > 1 runs the decode rows through the split-KV path; None picks it from
@@ -302,8 +476,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     nd = meta.num_decodes
     npf = meta.num_seqs - nd
-    common = dict(HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n, DOT_FP32=dot_fp32,
-                  num_warps=num_warps, num_stages=num_stages)
+    common = dict(
+        HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n, DOT_FP32=dot_fp32, num_warps=num_warps, num_stages=num_stages
+    )
 
     # Decodes and prefill chunks are launched apart: a decode needs only its GQA group's rows
     # (a prefill tile of 64 rows would be mostly padding), and may split its KV range.
@@ -312,24 +487,80 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = torch.empty(nd, hq, num_splits, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(nd, hq, num_splits, dtype=torch.float32, device=q.device)
         _paged_decode_split_kernel[(nd, hkv, num_splits)](
-            q, k_cache, v_cache, part_out, part_lse, meta.seq_lens, meta.block_tables, scale_log2,
-            q.stride(0), q.stride(1), meta.block_tables.stride(0), *k_strides, *v_strides,
-            GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=bm, **common)
-        _split_reduce_kernel[(nd, hq)](part_out, part_lse, out, out.stride(0), out.stride(1),
-                                       NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits),
-                                       HEAD_DIM=d)
+            q,
+            k_cache,
+            v_cache,
+            part_out,
+            part_lse,
+            meta.seq_lens,
+            meta.block_tables,
+            scale_log2,
+            q.stride(0),
+            q.stride(1),
+            meta.block_tables.stride(0),
+            *k_strides,
+            *v_strides,
+            GROUP=group,
+            NUM_SPLITS=num_splits,
+            BLOCK_M=bm,
+            **common,
+        )
+        _split_reduce_kernel[(nd, hq)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=_next_pow2(num_splits),
+            HEAD_DIM=d,
+        )
     elif nd:
         bm = max(min_m, _next_pow2(group))
         _paged_attn_kernel[(nd, hkv, 1)](
-            q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale_log2, 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            meta.block_tables.stride(0), *k_strides, *v_strides, GROUP=group, BLOCK_M=bm, **common)
+            q,
+            k_cache,
+            v_cache,
+            out,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale_log2,
+            0,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.block_tables.stride(0),
+            *k_strides,
+            *v_strides,
+            GROUP=group,
+            BLOCK_M=bm,
+            **common,
+        )
     if npf:
         # 64 rows of (token, group head) keep the fp32 accumulator in registers at head_dim 128.
         bm = max(min_m, _next_pow2(block_m or 64), _next_pow2(group))
         block_q = bm // group
         _paged_attn_kernel[(npf, hkv, -(-meta.max_query_len // block_q))](
-            q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale_log2, nd, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            meta.block_tables.stride(0), *k_strides, *v_strides, GROUP=group, BLOCK_M=bm, **common)
+            q,
+            k_cache,
+            v_cache,
+            out,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale_log2,
+            nd,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.block_tables.stride(0),
+            *k_strides,
+            *v_strides,
+            GROUP=group,
+            BLOCK_M=bm,
+            **common,
+        )
     return out

@@ -4,6 +4,7 @@
 Triton (which on CPU only works under TRITON_INTERPRET=1); ``auto`` (default) uses Triton
 on CUDA when it is installed. The choice is read at each call so tests can flip it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,8 @@ import os
 
 import torch
 
-from . import attention, sampling
 from ..batch import AttentionMetadata
+from . import attention, sampling
 
 logger = logging.getLogger(__name__)
 
@@ -46,26 +47,33 @@ def use_triton(device: torch.device) -> bool:
     return True
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     if use_triton(k_cache.device):
         return attention.store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return attention.store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     if use_triton(q.device) and attention.triton_supports(q, k_cache):
         return attention.paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return attention.paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
-def sample(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
-           top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
-           *, all_greedy: bool = False) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    *,
+    all_greedy: bool = False,
+) -> torch.Tensor:
     if use_triton(logits.device):
-        return sampling.sample_triton(logits, bitmask, temperature, top_k, top_p, min_p, seeds,
-                                      all_greedy=all_greedy)
-    return sampling.sample_torch(logits, bitmask, temperature, top_k, top_p, min_p, seeds,
-                                 all_greedy=all_greedy)
-
+        return sampling.sample_triton(logits, bitmask, temperature, top_k, top_p, min_p, seeds, all_greedy=all_greedy)
+    return sampling.sample_torch(logits, bitmask, temperature, top_k, top_p, min_p, seeds, all_greedy=all_greedy)

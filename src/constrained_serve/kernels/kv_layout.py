@@ -11,17 +11,26 @@ Every consumer indexes one layer's pool as ``[num_pages, page_size, num_kv_heads
   torch's fused CPU SDPA over the strided gather is 2-3x slower than the GEMMs for the short
   query lengths of decode rows.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def allocate_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  device: torch.device, head_major: bool) -> torch.Tensor:
+def allocate_pool(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    head_major: bool,
+) -> torch.Tensor:
     """One layer's zeroed K (or V) pool, shaped [P, ps, Hkv, D] in either storage order."""
     if head_major:
-        return torch.zeros((num_kv_heads, num_pages, page_size, head_dim), dtype=dtype,
-                           device=device).permute(1, 2, 0, 3)
+        return torch.zeros((num_kv_heads, num_pages, page_size, head_dim), dtype=dtype, device=device).permute(
+            1, 2, 0, 3
+        )
     return torch.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
 
 

@@ -17,6 +17,7 @@ queries over 1024 keys 5.6 ms against 23 ms (31 ms in SDPA), and in bf16 512 ove
 15 ms against 75 ms in SDPA. Chunks of up to ~100 queries are faster batched. One head at a
 time also bounds the score memory by one head's matrix, so larger chunks stay on GEMMs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ def per_head_onednn(dtype: torch.dtype, device: torch.device) -> bool:
 @dataclass
 class _LongChunk:
     """The per-step plan of one chunk, the same for every layer."""
+
     start: int  # its tokens are q[start:end]
     end: int
     seq_len: int  # keys: positions 0..seq_len-1
@@ -69,8 +71,9 @@ class _LongChunk:
     buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
 
 
-def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, device: torch.device,
-                dtype: torch.dtype) -> list[_LongChunk]:
+def long_chunks(
+    meta: AttentionMetadata, page_size: int, hkv: int, group: int, device: torch.device, dtype: torch.dtype
+) -> list[_LongChunk]:
     """Plan every long chunk of the step once (cached on meta)."""
     per_head = per_head_onednn(dtype, torch.device(device))
     key = ("long", page_size, hkv, group, per_head)
@@ -95,17 +98,19 @@ def long_chunks(meta: AttentionMetadata, page_size: int, hkv: int, group: int, d
     return plans
 
 
-def attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _LongChunk,
-                scale: float, out: torch.Tensor) -> None:
+def attend_long(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: _LongChunk, scale: float, out: torch.Tensor
+) -> None:
     _, _, hkv, d = k_cache.shape
     hq = q.shape[1]
     group, n, L = hq // hkv, c.end - c.start, c.seq_len
     k = gather_heads(k_cache, c.pages, c.buffers, "k")[:, :L]  # [Hkv, L, D]
     v = gather_heads(v_cache, c.pages, c.buffers, "v")[:, :L]
     if c.per_head:
-        return _attend_per_head(q[c.start:c.end].view(n, hkv, group, d), k, v, c.bias, scale,
-                                out[c.start:c.end].view(n, hkv, group, d))
-    qf = q[c.start:c.end].view(n, hkv, group, d).transpose(0, 1).reshape(hkv, n * group, d)
+        return _attend_per_head(
+            q[c.start : c.end].view(n, hkv, group, d), k, v, c.bias, scale, out[c.start : c.end].view(n, hkv, group, d)
+        )
+    qf = q[c.start : c.end].view(n, hkv, group, d).transpose(0, 1).reshape(hkv, n * group, d)
     if c.bias is not None and q.dtype == torch.float32:
         scores = torch.baddbmm(c.bias, qf, k.transpose(1, 2), alpha=scale)  # [Hkv, n*G, L]
         o = torch.bmm(scores.softmax(-1), v)
@@ -114,11 +119,12 @@ def attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c
     else:
         # With a mask and no enable_gqa, torch's CPU SDPA takes its flash kernel.
         o = F.scaled_dot_product_attention(qf, k, v, attn_mask=c.bool_mask, scale=scale)
-    out[c.start:c.end] = o.view(hkv, n, group, d).transpose(0, 1).reshape(n, hq, d)
+    out[c.start : c.end] = o.view(hkv, n, group, d).transpose(0, 1).reshape(n, hq, d)
 
 
-def _attend_per_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
-                     out: torch.Tensor) -> None:
+def _attend_per_head(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
     """q, out: [n, Hkv, G, D]; k, v: [Hkv, L, D]. Per KV head: its G query heads folded into
     the rows ([n*G, D]); per block of HEAD_BLOCK_ROWS rows, scores over the keys the block's
     last query can see (the keys past it are masked for every row of the block), masked

@@ -4,6 +4,7 @@ paths (short_rows.py, long_chunks.py).
 Both paths fold the GQA group's query heads into the query length: a query slot's row
 becomes ``group`` consecutive rows, one per head of its group, all seeing the same keys.
 """
+
 from __future__ import annotations
 
 import torch

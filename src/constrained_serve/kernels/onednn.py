@@ -6,6 +6,7 @@ fp32 ``torch.matmul``/``bmm`` on CPU go to MKL, which takes a narrower code path
 oneDNN uses AVX-512 wherever the CPU has it. ``CONSTRAINED_SERVE_CPU_LINEAR=torch`` turns
 every use off (plain torch ops instead).
 """
+
 from __future__ import annotations
 
 import os

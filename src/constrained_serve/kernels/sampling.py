@@ -5,6 +5,7 @@ allowed. A row of all ones (-1) leaves the logits untouched (rows without a gram
 Seeds: int64 [rows], one per row *and step* (the caller mixes the request seed with the
 output position), so a row's draw does not depend on what else is in the batch.
 """
+
 from __future__ import annotations
 
 import sys
@@ -62,9 +63,17 @@ def _exponential_noise(seeds: list[int], vocab: int, device: torch.device) -> to
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
-                 top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                 seeds: torch.Tensor, *, all_greedy: bool = False) -> torch.Tensor:
+def sample_torch(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    *,
+    all_greedy: bool = False,
+) -> torch.Tensor:
     """Reference implementation (and the CPU path). logits [R, V] (any float) -> int64 [R].
 
     Greedy where temperature == 0. Otherwise logits / T, then top-k, top-p, min-p filtering,
@@ -116,21 +125,17 @@ def sample_torch(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature
 # differs from the reference's torch generator, so the two agree in distribution, not draw
 # for draw.
 # --------------------------------------------------------------------------------------------
-from ._triton import HAS_TRITON, require_triton, tl, triton  # noqa: F401
-
+from ._triton import HAS_TRITON, require_triton, tl, triton  # noqa: E402, F401
 
 if HAS_TRITON:
 
     @triton.jit
-    def _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, offs, V, stride_l, stride_b,
-                     HAS_MASK: tl.constexpr):
+    def _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, offs, V, stride_l, stride_b, HAS_MASK: tl.constexpr):
         """fp32 logits [rows, block] with -inf where the bitmask bit is 0 (or out of range)."""
         ok = row_ok[:, None] & (offs < V)[None, :]
-        x = tl.load(logits_ptr + rows[:, None] * stride_l + offs[None, :], mask=ok,
-                    other=float("-inf")).to(tl.float32)
+        x = tl.load(logits_ptr + rows[:, None] * stride_l + offs[None, :], mask=ok, other=float("-inf")).to(tl.float32)
         if HAS_MASK:
-            words = tl.load(bitmask_ptr + rows[:, None] * stride_b + (offs // 32)[None, :], mask=ok,
-                            other=0)
+            words = tl.load(bitmask_ptr + rows[:, None] * stride_b + (offs // 32)[None, :], mask=ok, other=0)
             allowed = ((words >> (offs % 32)[None, :]) & 1) != 0
             x = tl.where(allowed & ok, x, float("-inf"))
         return x
@@ -138,8 +143,9 @@ if HAS_TRITON:
     @triton.jit
     def _gumbel(seed, offs, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
         """Gumbel noise [rows, block] from each row's seed and the token index (batch independent)."""
-        u = tl.rand(tl.broadcast_to(seed[:, None], [BLOCK_R, BLOCK_V]),
-                    tl.broadcast_to(offs[None, :], [BLOCK_R, BLOCK_V]))
+        u = tl.rand(
+            tl.broadcast_to(seed[:, None], [BLOCK_R, BLOCK_V]), tl.broadcast_to(offs[None, :], [BLOCK_R, BLOCK_V])
+        )
         # Keep -log(u) finite and > 0: u = 0 and u rounding to 1.0 are both possible in fp32.
         u = tl.minimum(tl.maximum(u, 1.0e-20), 0.99999988)
         return -tl.log(-tl.log(u))
@@ -159,22 +165,39 @@ if HAS_TRITON:
         return tl.maximum(best, bmax), best_idx
 
     @triton.jit
-    def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, V, stride_l, stride_b,
-                              BLOCK_V: tl.constexpr):
+    def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, V, stride_l, stride_b, BLOCK_V: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         in_v = offs < V
         words = tl.load(bitmask_ptr + row * stride_b + offs // 32, mask=in_v, other=-1)
         banned = (((words >> (offs % 32)) & 1) == 0) & in_v
         # Only banned tokens are written: an all-ones row costs no stores.
-        tl.store(logits_ptr + row * stride_l + offs,
-                 tl.full([BLOCK_V], float("-inf"), logits_ptr.dtype.element_ty), mask=banned)
+        tl.store(
+            logits_ptr + row * stride_l + offs,
+            tl.full([BLOCK_V], float("-inf"), logits_ptr.dtype.element_ty),
+            mask=banned,
+        )
 
     @triton.jit
-    def _sample_kernel(logits_ptr, bitmask_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                       seeds_ptr, out_ptr, R, V, stride_l, stride_b,
-                       HAS_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+    def _sample_kernel(
+        logits_ptr,
+        bitmask_ptr,
+        temp_ptr,
+        top_k_ptr,
+        top_p_ptr,
+        min_p_ptr,
+        seeds_ptr,
+        out_ptr,
+        R,
+        V,
+        stride_l,
+        stride_b,
+        HAS_MASK: tl.constexpr,
+        ALL_GREEDY: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        SEARCH_BLOCK: tl.constexpr,
+    ):
         # BLOCK_R rows per program: 1 on the GPU (a row per program, long vocab loops); the
         # interpreter runs much faster with many rows per program.
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -188,8 +211,7 @@ if HAS_TRITON:
         best_idx = tl.zeros([BLOCK_R], tl.int32)
         if ALL_GREEDY:
             for start in range(0, V, BLOCK_V):
-                x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, start + arange, V,
-                                 stride_l, stride_b, HAS_MASK)
+                x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, start + arange, V, stride_l, stride_b, HAS_MASK)
                 best, best_idx = _row_argmax(x, start, best, best_idx)
             tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_ok)
         else:
@@ -201,15 +223,12 @@ if HAS_TRITON:
             g_idx = tl.zeros([BLOCK_R], tl.int32)
             for start in range(0, V, BLOCK_V):
                 offs = start + arange
-                x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, offs, V, stride_l, stride_b,
-                                 HAS_MASK)
+                x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, offs, V, stride_l, stride_b, HAS_MASK)
                 old = best
                 best, best_idx = _row_argmax(x, start, best, best_idx)
                 m_safe = tl.where(best == NEG_INF, 0.0, best)
-                z = z * tl.exp((old - m_safe) * inv_t) \
-                    + tl.sum(tl.exp((x - m_safe[:, None]) * inv_t[:, None]), 1)
-                score = tl.where(x > NEG_INF, x * inv_t[:, None]
-                                 + _gumbel(seed, offs, BLOCK_R, BLOCK_V), NEG_INF)
+                z = z * tl.exp((old - m_safe) * inv_t) + tl.sum(tl.exp((x - m_safe[:, None]) * inv_t[:, None]), 1)
+                score = tl.where(x > NEG_INF, x * inv_t[:, None] + _gumbel(seed, offs, BLOCK_R, BLOCK_V), NEG_INF)
                 g_best, g_idx = _row_argmax(score, start, g_best, g_idx)
 
             top_k = tl.load(top_k_ptr + rows, mask=row_ok, other=0).to(tl.int32)
@@ -236,8 +255,9 @@ if HAS_TRITON:
                     cnt = tl.zeros([BLOCK_R, 16], tl.int32)
                     mass = tl.zeros([BLOCK_R, 16], tl.float32)
                     for start in range(0, V, SEARCH_BLOCK):
-                        x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, start + s_arange, V,
-                                         stride_l, stride_b, HAS_MASK)
+                        x = _masked_tile(
+                            logits_ptr, bitmask_ptr, rows, row_ok, start + s_arange, V, stride_l, stride_b, HAS_MASK
+                        )
                         ok = x > NEG_INF
                         key = _order_key(x)[:, :, None]
                         e = tl.exp((x - best_safe[:, None]) * inv_t[:, None])
@@ -256,12 +276,10 @@ if HAS_TRITON:
                 f_idx = tl.zeros([BLOCK_R], tl.int32)
                 for start in range(0, V, BLOCK_V):
                     offs = start + arange
-                    x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, offs, V, stride_l,
-                                     stride_b, HAS_MASK)
+                    x = _masked_tile(logits_ptr, bitmask_ptr, rows, row_ok, offs, V, stride_l, stride_b, HAS_MASK)
                     keep = (x > NEG_INF) & (_order_key(x) >= thr[:, None])
                     keep = keep & ((x - best_safe[:, None]) * inv_t[:, None] >= log_min_p[:, None])
-                    score = tl.where(keep, x * inv_t[:, None]
-                                     + _gumbel(seed, offs, BLOCK_R, BLOCK_V), NEG_INF)
+                    score = tl.where(keep, x * inv_t[:, None] + _gumbel(seed, offs, BLOCK_R, BLOCK_V), NEG_INF)
                     f_best, f_idx = _row_argmax(score, start, f_best, f_idx)
                 g_idx = tl.where(need_filter & (f_best > NEG_INF), f_idx, g_idx)
             tl.store(out_ptr + rows, tl.where(sampling, g_idx, best_idx).to(tl.int64), mask=row_ok)
@@ -273,8 +291,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, *,
-                         block_v: int = 1024) -> torch.Tensor:
+def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, *, block_v: int = 1024) -> torch.Tensor:
     """Triton version of :func:`apply_bitmask_torch` (in place, returns logits)."""
     require_triton()
     R, V = logits.shape
@@ -283,15 +300,26 @@ def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, *,
     if R == 0:
         return logits
     _apply_bitmask_kernel[(R, triton.cdiv(V, block_v))](
-        logits, bitmask, V, logits.stride(0), bitmask.stride(0), BLOCK_V=block_v)
+        logits, bitmask, V, logits.stride(0), bitmask.stride(0), BLOCK_V=block_v
+    )
     return logits
 
 
-def sample_triton(logits: torch.Tensor, bitmask: torch.Tensor | None, temperature: torch.Tensor,
-                  top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                  seeds: torch.Tensor, *, all_greedy: bool = False, block_v: int | None = None,
-                  search_block: int | None = None, rows_per_program: int | None = None,
-                  num_warps: int = 8) -> torch.Tensor:
+def sample_triton(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    *,
+    all_greedy: bool = False,
+    block_v: int | None = None,
+    search_block: int | None = None,
+    rows_per_program: int | None = None,
+    num_warps: int = 8,
+) -> torch.Tensor:
     """Fused Triton version of :func:`sample_torch`: one program per row, no host sync.
 
     Same arguments and result (int64 [R]); logits are read, never written.
@@ -316,8 +344,23 @@ def sample_triton(logits: torch.Tensor, bitmask: torch.Tensor | None, temperatur
         rows_per_program = 1 if not interp else min(256, 1 << (R - 1).bit_length())
     bm = bitmask if has_mask else logits
     _sample_kernel[(triton.cdiv(R, rows_per_program),)](
-        logits, bm, temperature, top_k, top_p, min_p, seeds, out, R, V, logits.stride(0),
+        logits,
+        bm,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        out,
+        R,
+        V,
+        logits.stride(0),
         bm.stride(0) if has_mask else 0,
-        HAS_MASK=has_mask, ALL_GREEDY=bool(all_greedy), BLOCK_R=rows_per_program, BLOCK_V=block_v,
-        SEARCH_BLOCK=search_block, num_warps=num_warps)
+        HAS_MASK=has_mask,
+        ALL_GREEDY=bool(all_greedy),
+        BLOCK_R=rows_per_program,
+        BLOCK_V=block_v,
+        SEARCH_BLOCK=search_block,
+        num_warps=num_warps,
+    )
     return out

@@ -14,6 +14,7 @@ to those keys in one GEMM per KV head with every row's queries stacked, over one
 the shared pages, and only gather their own pages past them (cascade attention, as in
 FlashInfer and SGLang). Both parts' scores go through one softmax, so the result is exact.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,12 +58,15 @@ def _length_buckets(lens: list[int], min_rows: int = 16) -> list[list[int]]:
 @dataclass
 class _ShortGroup:
     """One batched call over rows with short chunks, the same for every layer of a step."""
+
     shared_pages: torch.Tensor | None  # leading page ids common to all rows (keys visible to every query)
     pages: torch.Tensor  # [rows * npages] each row's own page ids past those, padded to the longest row
     padded_len: int  # keys gathered per row: (npages - shared pages) * page_size
     q_index: torch.Tensor  # [rows * nmax] token of each (row, query slot); padding repeats a row's last token
     nmax: int
-    bias: torch.Tensor  # fp32 [rows, nmax * group, shared + padded_len keys]: 0 where a query slot sees the key, else -inf
+    bias: (
+        torch.Tensor
+    )  # fp32 [rows, nmax * group, shared + padded_len keys]: 0 where a query slot sees the key, else -inf
     out_index: torch.Tensor  # tokens written back
     out_select: torch.Tensor | None  # which of the rows * nmax slots are real (None: all)
     buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
@@ -78,8 +82,10 @@ def short_groups(meta: AttentionMetadata, page_size: int, group: int, device: to
     qlens_all = meta.query_lens_host
     # Decode rows and short chunks go to separate calls: a decode row padded to a chunk's
     # query length would multiply its (tiny) attention work for nothing.
-    classes = [[b for b in range(meta.num_seqs) if qlens_all[b] == 1],
-               [b for b in range(meta.num_seqs) if 1 < qlens_all[b] <= SHORT_CHUNK]]
+    classes = [
+        [b for b in range(meta.num_seqs) if qlens_all[b] == 1],
+        [b for b in range(meta.num_seqs) if 1 < qlens_all[b] <= SHORT_CHUNK],
+    ]
     groups = []
     for rows_of_class in classes:
         if not rows_of_class:
@@ -101,14 +107,26 @@ def short_groups(meta: AttentionMetadata, page_size: int, group: int, device: to
             slots = [min(j, n - 1) for n in qlens for j in range(nmax)]
             q_index = [qsl[b] + j for b, j in zip((b for b in rows for _ in range(nmax)), slots)]
             # Query j of a chunk of n sits at position L - n + j and sees keys at positions <= it.
-            qpos = torch.tensor([L - n + j for n, L in zip(qlens, seq_lens) for j in
-                                 (min(j, n - 1) for j in range(nmax))], device=device).view(len(rows), nmax)
+            qpos = torch.tensor(
+                [L - n + j for n, L in zip(qlens, seq_lens) for j in (min(j, n - 1) for j in range(nmax))],
+                device=device,
+            ).view(len(rows), nmax)
             bias = additive_mask(visible_keys(qpos, npages * page_size, group))
             real = [j < n for n in qlens for j in range(nmax)]
             select = None if all(real) else torch.tensor(real, device=device)
             out_index = [t for t, r in zip(q_index, real) if r]
-            groups.append(_ShortGroup(shared, pages, padded, torch.tensor(q_index, device=device), nmax, bias,
-                                      torch.tensor(out_index, device=device), select))
+            groups.append(
+                _ShortGroup(
+                    shared,
+                    pages,
+                    padded,
+                    torch.tensor(q_index, device=device),
+                    nmax,
+                    bias,
+                    torch.tensor(out_index, device=device),
+                    select,
+                )
+            )
     meta.plan_cache[key] = groups
     return groups
 
@@ -123,7 +141,9 @@ def _shared_pages(table: torch.Tensor, qlens: list[int], seq_lens: list[int], pa
     return n if n >= MIN_SHARED_PAGES else 0
 
 
-def attend_short(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _ShortGroup, scale: float, out: torch.Tensor) -> None:
+def attend_short(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _ShortGroup, scale: float, out: torch.Tensor
+) -> None:
     """QK^T, masked softmax (fp32) and PV for a group of short rows, batched over (kv head, row)."""
     _, _, hkv, d = k_cache.shape
     hq = q.shape[1]
@@ -142,7 +162,7 @@ def attend_short(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         shared = torch.bmm(qd, ks.transpose(1, 2)).view(hkv, rows, m, -1)
         scores = torch.cat([shared, scores], -1)
     probs = masked_softmax(scores, scale, g.bias, v.dtype)
-    own = probs[..., probs.shape[-1] - g.padded_len:].reshape(hkv * rows, m, g.padded_len)
+    own = probs[..., probs.shape[-1] - g.padded_len :].reshape(hkv * rows, m, g.padded_len)
     o = torch.bmm(own, v)  # [Hkv * rows, nmax * G, D]
     if g.shared_pages is not None:
         s = vs.shape[1]

@@ -12,6 +12,7 @@ without a prepacked weight: packing takes it from 120-215 to 233-423 GFLOPS at 1
 about 1.2x at 64-512 rows, so bf16 is packed too (fp16 is not: without avx512_fp16 oneDNN
 emulates it). ``CONSTRAINED_SERVE_CPU_LINEAR=torch`` turns this off.
 """
+
 from __future__ import annotations
 
 import logging

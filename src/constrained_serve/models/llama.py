@@ -9,19 +9,19 @@ o_proj and MLP (the attention still stores every token's K/V).
 Weights use the Hugging Face names so HF checkpoints load as they are; q/k/v and gate/up
 are fused into one matmul each at load time (fewer, larger GEMMs are faster on CPU and GPU).
 """
-from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import dispatch
 from ..batch import AttentionMetadata
+from ..kernels import dispatch
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -103,7 +103,10 @@ def sliding_window_of(config: PretrainedConfig) -> int | None:
 
 
 _ACTIVATIONS = {
-    "silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
 }
@@ -159,8 +162,9 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
-              k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(
+        cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half convention (as HF Llama/Qwen)."""
         cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -182,11 +186,16 @@ class Attention(nn.Module):
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
-        self.scale = arch.head_dim ** -0.5
+        self.scale = arch.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """keep: project only these rows' attention outputs (the last layer, see DecoderLayer)."""
         a = self.arch
         T = x.shape[0]
@@ -224,9 +233,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """keep (the last layer only): the rows that sample. Every row's K/V is stored, but
         only these rows' hidden states are needed past the attention, so the o_proj and the
         MLP run on them alone (llama.cpp does the same for the MLP)."""
@@ -243,8 +257,9 @@ class LlamaModel(nn.Module):
         self.arch = arch = ModelArchitecture.from_hf_config(hf_config)
         # Uninitialised on purpose (the loader fills every weight): nn.Embedding's own init,
         # normal_ on the meta device the loader builds on, imports torch._dynamo (~1 s).
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
-                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -264,9 +279,14 @@ class LlamaModel(nn.Module):
         logger.info("packed %d linear layers and the LM head for oneDNN", n)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.tables_for(positions, x.dtype)
         last = len(self.layers) - 1

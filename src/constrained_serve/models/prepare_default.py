@@ -1,5 +1,6 @@
 """`python -m constrained_serve.models.prepare_default`: convert the default model once
 (run by `make setup`, so the first `Engine()` does not pay the GGUF conversion)."""
+
 from __future__ import annotations
 
 import logging

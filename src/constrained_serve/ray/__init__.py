@@ -7,11 +7,23 @@ rows and resume semantics as the local job. See docs/ray.md.
 Importing this package does not import Ray; ``extract`` does, and raises
 ``RayNotInstalledError`` (an ImportError) naming the extra to install when it is missing.
 """
+
 from .availability import INSTALL_HINT, RayNotInstalledError, require_ray
 from .entry import extract
 from .pipeline import REPLICA_FAILED, RayOptions, run_job
 from .replica import ExtractReplica, ReplicaConfig
 from .stats import RayJobStats, ReplicaStats
 
-__all__ = ["INSTALL_HINT", "REPLICA_FAILED", "ExtractReplica", "RayJobStats", "RayNotInstalledError", "RayOptions",
-           "ReplicaConfig", "ReplicaStats", "extract", "require_ray", "run_job"]
+__all__ = [
+    "INSTALL_HINT",
+    "REPLICA_FAILED",
+    "ExtractReplica",
+    "RayJobStats",
+    "RayNotInstalledError",
+    "RayOptions",
+    "ReplicaConfig",
+    "ReplicaStats",
+    "extract",
+    "require_ray",
+    "run_job",
+]

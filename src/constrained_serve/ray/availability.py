@@ -4,6 +4,7 @@ Nothing in ``constrained_serve`` imports Ray at import time; the Ray job calls
 ``require_ray()`` first, so a missing install fails at once, before any file is opened or
 any model is loaded.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,6 +30,7 @@ def require_ray() -> ModuleType:
     except ValueError:  # a nightly or local build: trust it
         return ray
     if version < MIN_VERSION:
-        raise RayNotInstalledError(f"Ray {ray.__version__} is too old (need >= {MIN_VERSION[0]}.{MIN_VERSION[1]}): "
-                                   f"{INSTALL_HINT}")
+        raise RayNotInstalledError(
+            f"Ray {ray.__version__} is too old (need >= {MIN_VERSION[0]}.{MIN_VERSION[1]}): {INSTALL_HINT}"
+        )
     return ray

@@ -6,6 +6,7 @@ a ``ray.data.Dataset`` in and/or out (no ``output``): the returned Dataset is la
 row per input row with the columns of ``replica.OUTPUT_COLUMNS`` (``row`` is the output line
 the CLI would write, as JSON text) and runs on the caller's Ray session.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,12 +58,21 @@ def extract(
 
     spec, json_output = _spec(schema, regex, grammar, grammar_syntax, grammar_backend)
     builder = PromptBuilder(field=field, template=template, instructions=instructions)
-    config = ReplicaConfig(engine_kwargs={"model": model, "grammar_backend": grammar_backend, **(engine_kwargs or {})},
-                           params=params if params is not None else SamplingParams(max_tokens=256),
-                           spec=spec, json_output=json_output)
-    options = RayOptions(address=address, replicas=replicas, gpus_per_replica=gpus_per_replica,
-                         cpus_per_replica=cpus_per_replica, batch_size=batch_size, ordered=ordered,
-                         max_batch_retries=max_batch_retries)
+    config = ReplicaConfig(
+        engine_kwargs={"model": model, "grammar_backend": grammar_backend, **(engine_kwargs or {})},
+        params=params if params is not None else SamplingParams(max_tokens=256),
+        spec=spec,
+        json_output=json_output,
+    )
+    options = RayOptions(
+        address=address,
+        replicas=replicas,
+        gpus_per_replica=gpus_per_replica,
+        cpus_per_replica=cpus_per_replica,
+        batch_size=batch_size,
+        ordered=ordered,
+        max_batch_retries=max_batch_retries,
+    )
     is_path = isinstance(source, (str, os.PathLike))
     if output is None:
         if not ray.is_initialized():
@@ -79,14 +89,21 @@ def extract(
     try:
         stats = RayJobStats()
         with open(source, "rb") as f:
-            items = read_items(f, builder, id_field=id_field, done=sinks.done,
-                               on_skip=lambda _item: setattr(stats, "skipped", stats.skipped + 1))
+            items = read_items(
+                f,
+                builder,
+                id_field=id_field,
+                done=sinks.done,
+                on_skip=lambda _item: setattr(stats, "skipped", stats.skipped + 1),
+            )
             return run_job(items, sinks.write, config, options, stats=stats)
     finally:
         sinks.close()
 
 
-def _spec(schema: Any, regex: str | None, grammar: str | None, syntax: str, backend: str) -> tuple[dict[str, Any], bool]:
+def _spec(
+    schema: Any, regex: str | None, grammar: str | None, syntax: str, backend: str
+) -> tuple[dict[str, Any], bool]:
     given = [name for name, v in (("schema", schema), ("regex", regex), ("grammar", grammar)) if v is not None]
     if len(given) > 1:
         raise ValueError(f"give only one of {', '.join(given)}")
@@ -112,8 +129,9 @@ def _dataset_items(ds: Any, builder: PromptBuilder, id_field: str, done: frozens
         for record in batch.to_pylist():
             item = parse_record(record, 0, builder, id_field)
             if item.by_line:  # no id: the line number 0 would be every such row's key
-                item = type(item)(0, None, error={"type": "invalid_id",
-                                                  "message": f"a Dataset row needs its own {id_field!r}"})
+                item = type(item)(
+                    0, None, error={"type": "invalid_id", "message": f"a Dataset row needs its own {id_field!r}"}
+                )
             if item.key in done:
                 continue
             rec = item_record(item, -1)
@@ -126,8 +144,16 @@ def _dataset_items(ds: Any, builder: PromptBuilder, id_field: str, done: frozens
     return ds.map_batches(prepare, batch_format="pyarrow", num_cpus=0)
 
 
-def _dataset_to_file(ray: Any, ds: Any, output: str, errors: str | None, builder: PromptBuilder, id_field: str,
-                     config: ReplicaConfig, options: RayOptions) -> RayJobStats:
+def _dataset_to_file(
+    ray: Any,
+    ds: Any,
+    output: str,
+    errors: str | None,
+    builder: PromptBuilder,
+    id_field: str,
+    config: ReplicaConfig,
+    options: RayOptions,
+) -> RayJobStats:
     """A Dataset in, rows appended to a file: keys already written are filtered out first."""
     import json
 
@@ -138,8 +164,9 @@ def _dataset_to_file(ray: Any, ds: Any, output: str, errors: str | None, builder
         plan = plan_pool(ray.cluster_resources(), options, options.batch_size or 256)
         written: set[str] = set()
         for batch in map_rows(ray, items, config, plan, options).iter_batches(batch_size=None, batch_format="numpy"):
-            for key, text, replica, started, finished in zip(batch["key"], batch["row"], batch["replica"],
-                                                            batch["started"], batch["finished"]):
+            for key, text, replica, started, finished in zip(
+                batch["key"], batch["row"], batch["replica"], batch["started"], batch["finished"]
+            ):
                 if key in written:  # a retried batch delivered twice
                     continue
                 written.add(key)

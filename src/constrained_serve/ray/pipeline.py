@@ -27,6 +27,7 @@ Faults: Ray restarts a dead replica actor (``max_restarts=-1``) and retries its 
 (``max_task_retries``); a batch that fails every retry is dropped (``max_errored_blocks``)
 and its rows get error rows of type ``replica_failed``: one bad row cannot fail the job.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,9 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from ..extract.job import InputItem
 from .availability import require_ray
@@ -212,20 +214,26 @@ def run_job(
 
     with ray_session(options.address) as ray:
         plan = plan_pool(ray.cluster_resources(), options, len(records))
-        logger.info("ray: %d rows, %d replicas (%s each), batches of %d", len(records), plan.replicas,
-                    f"{plan.num_gpus:g} GPU" if plan.num_gpus else f"{plan.num_cpus:g} CPU", plan.batch_size)
+        logger.info(
+            "ray: %d rows, %d replicas (%s each), batches of %d",
+            len(records),
+            plan.replicas,
+            f"{plan.num_gpus:g} GPU" if plan.num_gpus else f"{plan.num_cpus:g} CPU",
+            plan.batch_size,
+        )
         rows = map_rows(ray, items_dataset(ray, records, plan.batch_size), config, plan, options)
         del records  # the object store holds them now
         for batch in rows.iter_batches(batch_size=None, batch_format="numpy"):
-            for key, text, replica, started, finished in zip(batch[KEY], batch[ROW], batch[REPLICA],
-                                                            batch[STARTED], batch[FINISHED]):
+            for key, text, replica, started, finished in zip(
+                batch[KEY], batch[ROW], batch[REPLICA], batch[STARTED], batch[FINISHED]
+            ):
                 if waiting.pop(key, None) is None:  # a retried batch delivered twice
                     logger.debug("dropping a second row for %s", key)
                     continue
                 emit(json.loads(text), str(replica), float(started), float(finished))
     if waiting and stats.rows == 0:  # nothing came back at all: a broken set-up, not bad rows
         raise RuntimeError(f"no replica returned any row ({len(waiting)} rows sent); rerun with -v for details")
-    for key, item in waiting.items():  # written last, whatever the order
+    for item in waiting.values():  # written last, whatever the order
         stats.lost += 1
         msg = f"the replica running this row's batch died {options.max_batch_retries + 1} times"
         row = {**item.row_head(), "error": {"type": REPLICA_FAILED, "message": msg}}

@@ -9,14 +9,16 @@ from Ray is the row the local job writes for the same line.
 Items travel as JSON text columns (``item_record`` / ``record_item``): rows of different
 shapes (a prompt, an early error) in one Arrow column would not have one schema.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..extract.job import InputItem, error_type_name, run_extract
 
@@ -31,8 +33,13 @@ OUTPUT_COLUMNS = (KEY, ROW, OK, REPLICA, STARTED, FINISHED)
 def item_record(item: InputItem, seq: int) -> dict[str, Any]:
     """An item as a Dataset row: its resume key (the driver matches rows to inputs by it),
     its position in this run's input, and the item itself as JSON text."""
-    payload = {"line": item.line_no, "id": item.id, "by_line": item.by_line,
-               "messages": item.messages, "error": item.error}
+    payload = {
+        "line": item.line_no,
+        "id": item.id,
+        "by_line": item.by_line,
+        "messages": item.messages,
+        "error": item.error,
+    }
     return {"seq": seq, KEY: item.key, "item": json.dumps(payload, ensure_ascii=False)}
 
 
@@ -79,8 +86,9 @@ class ExtractReplica:
         self.name = _replica_name()
         started = time.perf_counter()
         self.engine = Engine(**kwargs)
-        logger.info("replica %s: engine ready in %.1fs (%s)", self.name, time.perf_counter() - started,
-                    self.engine.device)
+        logger.info(
+            "replica %s: engine ready in %.1fs (%s)", self.name, time.perf_counter() - started, self.engine.device
+        )
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list[Any]]:
         started = time.time()
@@ -104,8 +112,13 @@ class ExtractReplica:
         try:
             return self._extract(items)
         except Exception as e:  # noqa: BLE001 - retried row by row below
-            logger.warning("replica %s: a batch of %d rows failed (%s: %s); running its rows one at a time",
-                           self.name, len(items), type(e).__name__, e)
+            logger.warning(
+                "replica %s: a batch of %d rows failed (%s: %s); running its rows one at a time",
+                self.name,
+                len(items),
+                type(e).__name__,
+                e,
+            )
         rows = []
         for item in items:
             try:
@@ -119,8 +132,15 @@ class ExtractReplica:
     def _extract(self, items: list[InputItem]) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         cfg = self.config
-        run_extract(self.engine, items, rows.append, cfg.params, cfg.spec, json_output=cfg.json_output,
-                    max_in_flight=max(len(items), 1))
+        run_extract(
+            self.engine,
+            items,
+            rows.append,
+            cfg.params,
+            cfg.spec,
+            json_output=cfg.json_output,
+            max_in_flight=max(len(items), 1),
+        )
         return rows
 
 

@@ -1,8 +1,10 @@
 """The Ray job's summary: the local job's counters, plus what each replica did."""
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..extract.job import JobStats
 
@@ -44,6 +46,8 @@ class RayJobStats(JobStats):
             lines.append(f"lost: {self.lost} rows whose batch failed on every retry (written as error rows)")
         for name, r in sorted(self.replicas.items()):
             rate = f"{r.rows / r.busy_s:.2f} rows/s" if r.busy_s > 0 else "n/a"
-            lines.append(f"replica {name}: {r.rows} rows ({r.ok} ok), {r.completion_tokens} generated tokens, "
-                         f"{r.busy_s:.1f}s from its first batch to its last, {rate}")
+            lines.append(
+                f"replica {name}: {r.rows} rows ({r.ok} ok), {r.completion_tokens} generated tokens, "
+                f"{r.busy_s:.1f}s from its first batch to its last, {rate}"
+            )
         return "\n".join(lines)

@@ -9,6 +9,7 @@ error body naming the problem; a request that fails while it decodes fails alone
 response says why), and the server goes on. A client that disconnects mid-stream has its
 request aborted at the next step and its pages freed.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ import os
 import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,22 +36,27 @@ __all__ = ["API_KEY_ENV", "build_app"]
 API_KEY_ENV = "CONSTRAINED_SERVE_API_KEY"
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-           param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                                "code": code}})
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": code}}
+    )
 
 
 def _failure(results: list[Result]) -> JSONResponse | None:
     """A response for results that failed while they decoded (None if none did)."""
-    failed = [s for r in results for s in (r.samples or [r]) if r.finish_reason == "abort" or s.finish_reason == "abort"]
+    failed = [
+        s for r in results for s in (r.samples or [r]) if r.finish_reason == "abort" or s.finish_reason == "abort"
+    ]
     if not failed:
         return None
     r = failed[0]
     if r.error_type in ("PromptTooLongError", "GrammarError", "ValueError", "TypeError"):
         return _error(400, f"{r.error_type}: {r.error}", code=r.error_type)
-    return _error(500, f"the request failed while decoding: {r.error_type}: {r.error}", kind="server_error",
-                  code=r.error_type)
+    return _error(
+        500, f"the request failed while decoding: {r.error_type}: {r.error}", kind="server_error", code=r.error_type
+    )
 
 
 def build_app(engine: Any, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
@@ -72,8 +79,9 @@ def build_app(engine: Any, model_name: str | None = None, api_key: str | None = 
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-                             for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in exc.errors()
+        )
         return _error(400, f"invalid request: {problems}")
 
     @app.exception_handler(ValueError)  # GrammarError, PromptTooLongError, bad params: the caller's input
@@ -91,8 +99,10 @@ def build_app(engine: Any, model_name: str | None = None, api_key: str | None = 
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": started,
-                                            "owned_by": "constrained-serve"}]}
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": started, "owned_by": "constrained-serve"}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(req: P.ChatCompletionRequest):
@@ -158,13 +168,28 @@ def _streamed(kind: str, stream: Any, model: str, include_usage: bool) -> Stream
                 yield _sse(P.chunk(kind, rid, model, created, delta, None))
                 continue
             if result.finish_reason == "abort":
-                yield _sse({"error": {"message": f"{result.error_type}: {result.error}", "type": "server_error",
-                                      "code": result.error_type}})
+                yield _sse(
+                    {
+                        "error": {
+                            "message": f"{result.error_type}: {result.error}",
+                            "type": "server_error",
+                            "code": result.error_type,
+                        }
+                    }
+                )
             else:
                 yield _sse(P.chunk(kind, rid, model, created, None, P.finish_reason(result)))
                 if include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                                "created": created, "model": model, "choices": [], "usage": P.usage_of([result])})
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": P.usage_of([result]),
+                        }
+                    )
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -6,6 +6,7 @@ Structured outputs come as OpenAI's ``response_format`` (``json_object``, ``json
 ``guided_regex``, ``guided_grammar``, ``guided_choice`` (and ``guided_decoding_backend``), or
 the newer ``structured_outputs: {"json" | "regex" | "grammar" | "choice": ...}``.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..params import SamplingParams
 from ..result import Result
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "chat_response", "completion_response",
-           "sampling_params", "spec_kwargs", "usage_of"]
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "chat_response",
+    "completion_response",
+    "sampling_params",
+    "spec_kwargs",
+    "usage_of",
+]
 
 
 class _Body(BaseModel):
@@ -89,7 +97,12 @@ def sampling_params(req: _Body) -> SamplingParams:
     if req.logit_bias:
         raise _refuse("logit_bias")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools or req.functions or req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
+        if (
+            req.tools
+            or req.functions
+            or req.tool_choice not in (None, "none")
+            or req.function_call not in (None, "none")
+        ):
             raise _refuse("tool calling (tools, tool_choice, functions)")
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -107,8 +120,15 @@ def sampling_params(req: _Body) -> SamplingParams:
     kw: dict[str, Any] = dict(n=req.n, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs)
     if max_tokens is not None:
         kw["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
     if req.stop is not None:
@@ -128,10 +148,12 @@ def spec_kwargs(req: _Body) -> dict[str, Any]:
     unknown = set(so) - {"json", "regex", "grammar", "choice", "json_object"}
     if unknown:
         raise ValueError(f"structured_outputs: unknown key(s) {sorted(unknown)} (json, regex, grammar, choice)")
-    for name, value in (("schema", req.guided_json if req.guided_json is not None else so.get("json")),
-                        ("regex", req.guided_regex or so.get("regex")),
-                        ("grammar", req.guided_grammar or so.get("grammar")),
-                        ("choices", req.guided_choice or so.get("choice"))):
+    for name, value in (
+        ("schema", req.guided_json if req.guided_json is not None else so.get("json")),
+        ("regex", req.guided_regex or so.get("regex")),
+        ("grammar", req.guided_grammar or so.get("grammar")),
+        ("choices", req.guided_choice or so.get("choice")),
+    ):
         if value is not None:
             specs[name] = value
     if so.get("json_object"):
@@ -146,10 +168,14 @@ def spec_kwargs(req: _Body) -> dict[str, Any]:
 def usage_of(results: list[Result]) -> dict[str, Any]:
     prompt = sum(r.usage.prompt_tokens for r in results)
     completion = sum(r.usage.completion_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_tokens for r in results)},
-            # constrained-serve's own: output tokens the grammar forced (no decode step each)
-            "completion_tokens_details": {"forced_tokens": sum(r.usage.forced_tokens for r in results)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.usage.cached_tokens for r in results)},
+        # constrained-serve's own: output tokens the grammar forced (no decode step each)
+        "completion_tokens_details": {"forced_tokens": sum(r.usage.forced_tokens for r in results)},
+    }
 
 
 def finish_reason(r: Result) -> str:
@@ -166,9 +192,16 @@ def _token_logprobs(r: Result, tokenizer: Any, k: int) -> list[dict[str, Any]]:
             out.append({"token": text, "logprob": 0.0, "bytes": list(text.encode()), "top_logprobs": []})
             continue
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-        out.append({"token": text, "logprob": entry[tid], "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": (t := tokenizer.decode([i])), "logprob": lp, "bytes": list(t.encode())}
-                                     for i, lp in top]})
+        out.append(
+            {
+                "token": text,
+                "logprob": entry[tid],
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := tokenizer.decode([i])), "logprob": lp, "bytes": list(t.encode())} for i, lp in top
+                ],
+            }
+        )
     return out
 
 
@@ -177,39 +210,71 @@ def chat_response(results: list[Result], model: str, tokenizer: Any, top_logprob
     samples = res.samples or [res]
     choices = []
     for i, r in enumerate(samples):
-        choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": r.text},
-                                  "logprobs": None, "finish_reason": finish_reason(r)}
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": r.text},
+            "logprobs": None,
+            "finish_reason": finish_reason(r),
+        }
         if r.logprobs is not None:
             choice["logprobs"] = {"content": _token_logprobs(r, tokenizer, top_logprobs or 0)}
         choices.append(choice)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage_of([res])}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_of([res]),
+    }
 
 
 def completion_response(results: list[Result], model: str, tokenizer: Any) -> dict[str, Any]:
     choices = []
     for res in results:
         for r in res.samples or [res]:
-            choice: dict[str, Any] = {"index": len(choices), "text": r.text, "logprobs": None,
-                                      "finish_reason": finish_reason(r)}
+            choice: dict[str, Any] = {
+                "index": len(choices),
+                "text": r.text,
+                "logprobs": None,
+                "finish_reason": finish_reason(r),
+            }
             if r.logprobs is not None:
                 content = _token_logprobs(r, tokenizer, 20)
-                choice["logprobs"] = {"tokens": [c["token"] for c in content],
-                                      "token_logprobs": [c["logprob"] for c in content],
-                                      "top_logprobs": [{t["token"]: t["logprob"] for t in c["top_logprobs"]}
-                                                       for c in content]}
+                choice["logprobs"] = {
+                    "tokens": [c["token"] for c in content],
+                    "token_logprobs": [c["logprob"] for c in content],
+                    "top_logprobs": [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content],
+                }
             choices.append(choice)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage_of(results)}
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_of(results),
+    }
 
 
-def chunk(kind: Literal["chat", "completion"], rid: str, model: str, created: int, delta: str | None,
-          finish: str | None, first: bool = False) -> dict[str, Any]:
+def chunk(
+    kind: Literal["chat", "completion"],
+    rid: str,
+    model: str,
+    created: int,
+    delta: str | None,
+    finish: str | None,
+    first: bool = False,
+) -> dict[str, Any]:
     """One streamed chunk (chat.completion.chunk or text_completion)."""
     if kind == "chat":
-        d: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
-            {"content": delta} if delta else {})
+        d: dict[str, Any] = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
         choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}],
+    }
