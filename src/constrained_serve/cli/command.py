@@ -238,15 +238,8 @@ def _sampling(args: argparse.Namespace) -> Any:
         raise SetupError(str(e)) from None
 
 
-def _load_engine(args: argparse.Namespace) -> Any:
-    if args.engine is not None:
-        return args.engine
-    if args.max_num_seqs < 1:
-        raise SetupError("--max-num-seqs must be at least 1")
-    try:
-        from .. import Engine
-    except ImportError as e:
-        raise SetupError(f"the engine is not available in this install: {e}") from None
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine(...) arguments the model flags ask for (locally, or in each Ray replica)."""
     kwargs: dict[str, Any] = {
         "model": args.model,
         "device": args.device,
@@ -257,6 +250,19 @@ def _load_engine(args: argparse.Namespace) -> Any:
         kwargs["dtype"] = args.dtype
     if args.threads is not None:
         kwargs["num_threads"] = args.threads
+    return kwargs
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    if args.engine is not None:
+        return args.engine
+    if args.max_num_seqs < 1:
+        raise SetupError("--max-num-seqs must be at least 1")
+    try:
+        from .. import Engine
+    except ImportError as e:
+        raise SetupError(f"the engine is not available in this install: {e}") from None
+    kwargs = _engine_kwargs(args)
     from ..config import EngineConfig
 
     try:
@@ -484,17 +490,7 @@ def _extract_on_ray(
     except BaseException:
         sinks.remove_if_unused()
         raise
-    engine_kwargs: dict[str, Any] = {
-        "model": args.model,
-        "device": args.device,
-        "grammar_backend": args.backend,
-        "max_num_seqs": args.max_num_seqs,
-    }
-    if args.dtype:
-        engine_kwargs["dtype"] = args.dtype
-    if args.threads is not None:
-        engine_kwargs["num_threads"] = args.threads
-    config = ReplicaConfig(engine_kwargs, params, spec.kwargs, spec.json_output)
+    config = ReplicaConfig(_engine_kwargs(args), params, spec.kwargs, spec.json_output)
     stats = RayJobStats()
     total = count_rows(args.input) if show_progress and args.input != "-" else None
     bar = _progress_bar(total, len(sinks.done)) if show_progress else None

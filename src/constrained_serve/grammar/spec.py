@@ -38,6 +38,21 @@ def canonical_json(value: Any) -> str:
 
 # Keywords whose value maps names to schemas; only "properties" keeps its order.
 SCHEMA_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# Keywords whose value is a list of schemas, and keywords whose value is one schema.
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SUBSCHEMA_VALUES = (
+    "additionalProperties",
+    "additionalItems",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "items",
+)
 # Keywords whose value is data, not a schema: a key "properties" in there means nothing.
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 

@@ -15,7 +15,7 @@ from jsonschema import Draft202012Validator
 
 from ..errors import GrammarError
 from .regex_scan import regex_tokens
-from .spec import SCHEMA_NAME_MAPS, follow_local_refs, resolve_local_ref
+from .spec import SCHEMA_NAME_MAPS, SUBSCHEMA_LISTS, SUBSCHEMA_VALUES, follow_local_refs, resolve_local_ref
 
 __all__ = ["unsupported_schema_features", "xgrammar_regex"]
 
@@ -56,20 +56,6 @@ _FORMATS = frozenset(
         "json-pointer",
         "relative-json-pointer",
     }
-)
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = (
-    "additionalProperties",
-    "additionalItems",
-    "propertyNames",
-    "contains",
-    "not",
-    "if",
-    "then",
-    "else",
-    "unevaluatedProperties",
-    "unevaluatedItems",
-    "items",
 )
 # Lookaround and backreferences: a regex engine without them would match something else.
 # \A \Z \z \G: xgrammar reads them as the letters A, Z, z, G.
@@ -156,12 +142,12 @@ def unsupported_schema_features(
         if isinstance(sub, dict):
             for name, s in sub.items():
                 found += unsupported_schema_features(s, f"{path}/{key}/{name}", root, seen)
-    for key in _SCHEMA_LISTS:
+    for key in SUBSCHEMA_LISTS:
         sub = schema.get(key)
         if isinstance(sub, list):
             for i, s in enumerate(sub):
                 found += unsupported_schema_features(s, f"{path}/{key}/{i}", root, seen)
-    for key in _SCHEMA_VALUES:
+    for key in SUBSCHEMA_VALUES:
         sub = schema.get(key)
         if isinstance(sub, list):  # draft-7 tuple "items"
             for i, s in enumerate(sub):

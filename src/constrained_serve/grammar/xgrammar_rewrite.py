@@ -29,7 +29,7 @@ from jsonschema import Draft202012Validator
 
 from ..errors import GrammarError
 from .regex_scan import regex_tokens
-from .spec import SCHEMA_NAME_MAPS
+from .spec import SCHEMA_NAME_MAPS, SUBSCHEMA_LISTS, SUBSCHEMA_VALUES
 
 __all__ = ["NEVER", "ebnf_with_string_escapes", "rewrite_schema", "search_pattern"]
 
@@ -63,20 +63,6 @@ _BY_TYPE = {
 }
 _TYPED = frozenset(k for ks in _BY_TYPE.values() for k in ks)
 _SPLIT_TYPES = ("object", "array", "string", "number", "boolean", "null")  # the branches of a split, in order
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = (
-    "additionalProperties",
-    "additionalItems",
-    "propertyNames",
-    "contains",
-    "not",
-    "if",
-    "then",
-    "else",
-    "unevaluatedProperties",
-    "unevaluatedItems",
-    "items",
-)
 _ANY = r"[\s\S]*"
 
 
@@ -139,7 +125,7 @@ def _rewrite(s: Any, path: str, notes: list[str], ctx: "_Rewriter") -> Any:
             }
     if isinstance(s.get("properties"), dict) and _never_properties(s, path, notes, ctx):
         return NEVER
-    for key in _SCHEMA_LISTS:
+    for key in SUBSCHEMA_LISTS:
         if isinstance(s.get(key), list):
             subs = [_rewrite(v, f"{path}/{key}/{i}", notes, ctx) for i, v in enumerate(s[key])]
             if key in ("anyOf", "oneOf"):
@@ -152,7 +138,7 @@ def _rewrite(s: Any, path: str, notes: list[str], ctx: "_Rewriter") -> Any:
                 notes.append(f"{path}/{key} (an item that matches no value)")
                 subs = [x if x is not NEVER else s[key][i] for i, x in enumerate(subs)]
             s[key] = subs
-    for key in _SCHEMA_VALUES:
+    for key in SUBSCHEMA_VALUES:
         sub = s.get(key)
         if isinstance(sub, list):  # draft-7 tuple "items"
             s[key] = [
