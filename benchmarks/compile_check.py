@@ -26,7 +26,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from constrained_serve.kernels import attention as A  # noqa: E402
+from constrained_serve.kernels import attention_triton as A  # noqa: E402
+from constrained_serve.kernels import decode_split_triton as D  # noqa: E402
 from constrained_serve.kernels import sampling as S  # noqa: E402
 
 
@@ -93,7 +94,7 @@ def cases() -> list[tuple[str, object, dict, dict]]:
         out.append(
             (
                 f"decode_split_{dt}",
-                A._paged_decode_split_kernel,
+                D._paged_decode_split_kernel,
                 {
                     "q_ptr": p,
                     "k_cache_ptr": p,
@@ -123,7 +124,7 @@ def cases() -> list[tuple[str, object, dict, dict]]:
     out.append(
         (
             "split_reduce",
-            A._split_reduce_kernel,
+            D._split_reduce_kernel,
             {
                 "part_out_ptr": "*fp32",
                 "part_lse_ptr": "*fp32",

@@ -1,7 +1,8 @@
 """Kernels: each Triton kernel sits next to a plain torch reference with the same signature.
 
-- attention.py: store_kv_{torch,triton}, paged_attention_{torch,triton} (varlen mixed batch,
-  GQA, split-KV decode), AttentionMetadata. The torch path's plans: short_rows.py (decodes,
+- attention.py: store_kv_torch, paged_attention_torch, and the Triton ones from
+  attention_triton.py (varlen mixed batch, GQA), decode_split_triton.py (split-KV decode) and
+  attention_tile_triton.py (the tile both share). The torch path's plans: short_rows.py (decodes,
   forced chunks, shared-prefix pages), long_chunks.py (prefill chunks); kv_layout.py: the
   pool's storage order (head-major on CPU) and page gathers; masking.py: the causal masks and
   fp32 masked softmax both plans use.
