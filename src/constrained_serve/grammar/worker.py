@@ -3,7 +3,7 @@
 Neither grammar engine can be interrupted: llguidance 1.9 spins for ever on some grammars
 (holding the GIL in ``compute_ff_tokens``, growing ~10 MB/s in ``compute_mask``), xgrammar's
 jump-forward search can too. A thread cannot be stopped, so every call into them runs in a
-worker process (``python -m constrained_serve.grammar.worker``) that the engine kills when an
+worker process (``python -m constrained_serve.grammar.worker_process``) that the engine kills when an
 item of work overruns its deadline, and starts afresh. The memory of a killed worker comes
 back to the system at once; nothing it did can hang or poison the engine's process.
 
@@ -21,72 +21,28 @@ What it costs (``benchmarks/masks.py``): one round trip per batch of items, abou
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import queue
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from .shared_memory import PAGE, ProgressCell, SharedBitmask, shared_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SharedBitmask", "WorkerClient", "WorkerFailure", "collect_all"]
+__all__ = ["ProgressCell", "SharedBitmask", "WorkerClient", "WorkerFailure", "collect_all"]
 
-_PAGE = mmap.PAGESIZE
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # An item that blocks without spinning (no CPU time) is still cut: at this many times its
 # deadline, plus this many seconds, of wall time.
 WALL_FACTOR, WALL_SLACK_S = 3.0, 5.0
-
-
-class ProgressCell:
-    """What a worker is doing, in a shared page the engine reads without asking: the batch's
-    seq, the item index (-1: not started; n: all done) and that item's start in wall
-    (monotonic) and CPU seconds.
-
-    A seqlock: the writer makes the generation odd, writes, makes it even; a reader retries
-    until it sees the same even generation before and after. Without it a reader could see a
-    half-written record (a new index with the old start) when the worker was descheduled
-    mid-write; from a start of 0.0 an item seemed to have run for the machine's uptime and
-    was killed after a few ms (CI once killed a 15 ms compile so). Every field is one aligned
-    8-byte store through numpy: ``struct.pack_into`` zero-fills its bytes first, so a reader
-    could catch a generation of 0, which looks even. One writer at a time; x86-64 and ARM64
-    keep such stores whole and, for one writer, in order."""
-
-    def __init__(self, page: mmap.mmap):
-        self._ints = np.ndarray((3,), dtype=np.int64, buffer=page)  # generation, seq, index
-        self._times = np.ndarray((2,), dtype=np.float64, buffer=page, offset=24)  # wall, CPU
-
-    def write(self, seq: int, index: int, wall: float, cpu: float) -> None:
-        # From the page's generation, not a count of our own: the engine also writes (the
-        # reset before a worker starts), and the generation must never repeat.
-        gen = int(self._ints[0]) | 1
-        self._ints[0] = gen  # odd: writing
-        self._ints[1], self._ints[2] = seq, index
-        self._times[0], self._times[1] = wall, cpu
-        self._ints[0] = gen + 1
-
-    def read(self) -> tuple[int, int, float, float]:
-        tries = 0
-        while True:
-            gen = int(self._ints[0])
-            if gen % 2 == 0:
-                record = (int(self._ints[1]), int(self._ints[2]), float(self._times[0]), float(self._times[1]))
-                if int(self._ints[0]) == gen:
-                    return record
-            tries += 1
-            if tries % 64 == 0:
-                time.sleep(0)  # the writer was descheduled mid-write: let it run
 
 
 class WorkerFailure(Exception):
@@ -100,34 +56,6 @@ class WorkerFailure(Exception):
         self.index = index
         self.overrun = overrun
         self.elapsed = elapsed  # (wall, CPU seconds) the overrunning item ran, when known
-
-
-def _shared_file(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
-    """An anonymous file of ``nbytes`` mapped here; its fd is handed to workers (pass_fds)."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create(name, 0)
-    else:  # not Linux: an unlinked temporary file does the same
-        f = tempfile.TemporaryFile(prefix=name)
-        fd = os.dup(f.fileno())
-        f.close()
-    os.ftruncate(fd, max(nbytes, 1))
-    return fd, mmap.mmap(fd, max(nbytes, 1))
-
-
-class SharedBitmask:
-    """The step's bitmask ``[rows, width]`` int32, in memory the mask workers write into."""
-
-    def __init__(self, rows: int, width: int):
-        self.rows, self.width = int(rows), int(width)
-        self.fd, self._map = _shared_file(self.rows * self.width * 4, "cs-bitmask")
-        self.array = np.ndarray((self.rows, self.width), dtype=np.int32, buffer=self._map)
-        self.array.fill(-1)
-
-    def close(self) -> None:
-        # Once only: a closed fd number is soon another file's (a double close closes that).
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
 
 
 class _Launcher:
@@ -207,7 +135,7 @@ class WorkerClient:
         self.kills = 0
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        self._progress_fd, page = _shared_file(_PAGE, "cs-progress")
+        self._progress_fd, page = shared_file(PAGE, "cs-progress")
         self._progress = ProgressCell(page)
         self._seq = 0
         self._sent: tuple[int, list[float], float] | None = None  # seq, deadlines, send time
@@ -237,7 +165,9 @@ class WorkerClient:
         self.kill()
         ours, theirs = socket.socketpair()
         fds = [theirs.fileno(), self._progress_fd] + ([self.bitmask.fd] if self.bitmask else [])
-        argv = [sys.executable, "-m", "constrained_serve.grammar.worker", str(os.getpid())] + [str(f) for f in fds]
+        argv = [sys.executable, "-m", "constrained_serve.grammar.worker_process", str(os.getpid())] + [
+            str(f) for f in fds
+        ]
         try:
             self._proc = _Launcher.popen(
                 argv,
@@ -430,84 +360,3 @@ def collect_all(clients: Sequence[WorkerClient]) -> list[list[tuple[bool, Any]] 
                 c.kill()
         raise
     return [out[i] for i in range(len(clients))]
-
-
-# ---------------------------------------------------------------------------- the process
-class _Records(logging.Handler):
-    """Collects the worker's log records; each reply carries them to the engine's logging."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[tuple[str, int, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((record.name, record.levelno, record.getMessage()))
-
-    def take(self) -> list[tuple[str, int, str]]:
-        out, self.records = self.records, []
-        return out
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the engine's process dies, however it dies (Linux), and
-    check by polling elsewhere (a runaway that holds the GIL stops only the polling)."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def main(argv: list[str]) -> None:
-    parent, sock_fd, progress_fd = int(argv[0]), int(argv[1]), int(argv[2])
-    bitmask_fd = int(argv[3]) if len(argv) > 3 else -1
-    _die_with_parent(parent)
-    records = _Records()
-    root = logging.getLogger("constrained_serve")
-    root.addHandler(records)
-    root.setLevel(logging.INFO)
-    root.propagate = False
-    conn = Connection(sock_fd)
-    progress = ProgressCell(mmap.mmap(progress_fd, _PAGE))
-    try:
-        _, backend_name, tokenizer, options, rows = conn.recv()
-        from .host import FaultPlan, MatcherHost, make_backend
-
-        backend = make_backend(backend_name, tokenizer, **options)
-        bitmask = None
-        if rows is not None:
-            bitmask = np.ndarray(rows, dtype=np.int32, buffer=mmap.mmap(bitmask_fd, rows[0] * rows[1] * 4))
-        host = MatcherHost(backend, bitmask, FaultPlan.from_env())
-    except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            seq, items = conn.recv()
-        except (EOFError, OSError):
-            return  # the engine closed the connection: done
-
-        def stamp(i: int, seq: int = seq) -> None:
-            t = os.times()  # user + system in clock ticks, as the engine reads /proc: one clock
-            progress.write(seq, i, time.monotonic(), t.user + t.system)
-
-        results = host.run(items, stamp)
-        stamp(len(items))
-        conn.send((results, records.take()))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

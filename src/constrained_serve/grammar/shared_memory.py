@@ -1,0 +1,83 @@
+"""The memory the engine shares with its grammar workers: anonymous files mapped on both
+sides (their fds passed to the worker at start), for the step's bitmask the mask workers
+write rows into, and for the progress page each worker stamps before every item.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
+
+def shared_file(nbytes: int, name: str) -> tuple[int, mmap.mmap]:
+    """An anonymous file of ``nbytes`` mapped here; its fd is handed to workers (pass_fds)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(name, 0)
+    else:  # not Linux: an unlinked temporary file does the same
+        f = tempfile.TemporaryFile(prefix=name)
+        fd = os.dup(f.fileno())
+        f.close()
+    os.ftruncate(fd, max(nbytes, 1))
+    return fd, mmap.mmap(fd, max(nbytes, 1))
+
+
+class SharedBitmask:
+    """The step's bitmask ``[rows, width]`` int32, in memory the mask workers write into."""
+
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = int(rows), int(width)
+        self.fd, self._map = shared_file(self.rows * self.width * 4, "cs-bitmask")
+        self.array = np.ndarray((self.rows, self.width), dtype=np.int32, buffer=self._map)
+        self.array.fill(-1)
+
+    def close(self) -> None:
+        # Once only: a closed fd number is soon another file's (a double close closes that).
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class ProgressCell:
+    """What a worker is doing, in a shared page the engine reads without asking: the batch's
+    seq, the item index (-1: not started; n: all done) and that item's start in wall
+    (monotonic) and CPU seconds.
+
+    A seqlock: the writer makes the generation odd, writes, makes it even; a reader retries
+    until it sees the same even generation before and after. Without it a reader could see a
+    half-written record (a new index with the old start) when the worker was descheduled
+    mid-write; from a start of 0.0 an item seemed to have run for the machine's uptime and
+    was killed after a few ms (CI once killed a 15 ms compile so). Every field is one aligned
+    8-byte store through numpy: ``struct.pack_into`` zero-fills its bytes first, so a reader
+    could catch a generation of 0, which looks even. One writer at a time; x86-64 and ARM64
+    keep such stores whole and, for one writer, in order."""
+
+    def __init__(self, page: mmap.mmap):
+        self._ints = np.ndarray((3,), dtype=np.int64, buffer=page)  # generation, seq, index
+        self._times = np.ndarray((2,), dtype=np.float64, buffer=page, offset=24)  # wall, CPU
+
+    def write(self, seq: int, index: int, wall: float, cpu: float) -> None:
+        # From the page's generation, not a count of our own: the engine also writes (the
+        # reset before a worker starts), and the generation must never repeat.
+        gen = int(self._ints[0]) | 1
+        self._ints[0] = gen  # odd: writing
+        self._ints[1], self._ints[2] = seq, index
+        self._times[0], self._times[1] = wall, cpu
+        self._ints[0] = gen + 1
+
+    def read(self) -> tuple[int, int, float, float]:
+        tries = 0
+        while True:
+            gen = int(self._ints[0])
+            if gen % 2 == 0:
+                record = (int(self._ints[1]), int(self._ints[2]), float(self._times[0]), float(self._times[1]))
+                if int(self._ints[0]) == gen:
+                    return record
+            tries += 1
+            if tries % 64 == 0:
+                time.sleep(0)  # the writer was descheduled mid-write: let it run

@@ -1,0 +1,100 @@
+"""The grammar worker process (``python -m constrained_serve.grammar.worker_process``):
+started by ``worker.WorkerClient``, it loads one backend, then runs the items of each batch
+it is sent (``host.MatcherHost``), stamping its progress page before each, until the engine
+closes the connection or kills it.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from .shared_memory import PAGE, ProgressCell
+
+
+class _Records(logging.Handler):
+    """Collects the worker's log records; each reply carries them to the engine's logging."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.name, record.levelno, record.getMessage()))
+
+    def take(self) -> list[tuple[str, int, str]]:
+        out, self.records = self.records, []
+        return out
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the engine's process dies, however it dies (Linux), and
+    check by polling elsewhere (a runaway that holds the GIL stops only the polling)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str]) -> None:
+    parent, sock_fd, progress_fd = int(argv[0]), int(argv[1]), int(argv[2])
+    bitmask_fd = int(argv[3]) if len(argv) > 3 else -1
+    _die_with_parent(parent)
+    records = _Records()
+    root = logging.getLogger("constrained_serve")
+    root.addHandler(records)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    conn = Connection(sock_fd)
+    progress = ProgressCell(mmap.mmap(progress_fd, PAGE))
+    try:
+        _, backend_name, tokenizer, options, rows = conn.recv()
+        from .host import FaultPlan, MatcherHost, make_backend
+
+        backend = make_backend(backend_name, tokenizer, **options)
+        bitmask = None
+        if rows is not None:
+            bitmask = np.ndarray(rows, dtype=np.int32, buffer=mmap.mmap(bitmask_fd, rows[0] * rows[1] * 4))
+        host = MatcherHost(backend, bitmask, FaultPlan.from_env())
+    except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            seq, items = conn.recv()
+        except (EOFError, OSError):
+            return  # the engine closed the connection: done
+
+        def stamp(i: int, seq: int = seq) -> None:
+            t = os.times()  # user + system in clock ticks, as the engine reads /proc: one clock
+            progress.write(seq, i, time.monotonic(), t.user + t.system)
+
+        results = host.run(items, stamp)
+        stamp(len(items))
+        conn.send((results, records.take()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
