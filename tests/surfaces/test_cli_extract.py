@@ -114,7 +114,7 @@ def test_sampling_flags_reach_the_params(tiny_engine_factory, capsys) -> None:
 
 
 def test_template_escapes_are_read_as_newline_and_tab() -> None:
-    from constrained_serve.cli.command import _unescape
+    from constrained_serve.cli.extract_command import _unescape
 
     assert _unescape(r"Title: {t}\n{body}\tend \\n") == "Title: {t}\n{body}\tend \\n"
 

