@@ -11,8 +11,7 @@ import os
 import random
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,28 +23,21 @@ from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
 from .engine import EngineCore
-from .errors import GrammarError, OutputError, PromptTooLongError
+from .inputs import EngineInputs, Messages, ParamsArg, split_chat_messages
 from .models import loader
 from .models.llama import sliding_window_of
-from .params import OutputSpec, SamplingParams
-from .request import GrammarState, Request
+from .params import SamplingParams
+from .request import Request
 from .result import Result
 from .runner import ModelRunner
-from .sampler import step_seed
 from .scheduler import Scheduler
+from .streaming import EngineStreaming
 
 if TYPE_CHECKING:
     from .conversation import Conversation
     from .grammar.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
-
-
-def _per_prompt(key: str, value: Any) -> bool:
-    """A list is one spec per prompt, except choices=["yes", "no"] (one spec for all)."""
-    return isinstance(value, list) and (
-        key != "choices" or (len(value) > 0 and all(isinstance(x, (list, tuple)) or x is None for x in value))
-    )
 
 
 def _done(x: Request | list[Request] | Result) -> bool:
@@ -60,36 +52,7 @@ def _requests(x: Request | list[Request] | Result) -> list[Request]:
     return x if isinstance(x, list) else [] if isinstance(x, Result) else [x]
 
 
-Messages = list[dict[str, Any]]
-ParamsArg = SamplingParams | Sequence[SamplingParams] | None  # one for all items, or one each
-_SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
-
-
-def split_chat_messages(messages: Any) -> tuple[list[Messages], bool]:
-    """``chat()``'s input as a list of conversations, and whether it was one conversation
-    (a list of messages) rather than a list of them."""
-    if isinstance(messages, (str, bytes, dict)):
-        raise TypeError(
-            f"chat() takes a list of {{'role': ..., 'content': ...}} messages (or a list of such "
-            f"lists), got a {type(messages).__name__}; for raw text use generate()"
-        )
-    single = len(messages) > 0 and isinstance(messages[0], dict)
-    return ([messages] if single else list(messages)), single
-
-
-@dataclass(frozen=True)
-class _CallPlan:
-    """What the items of one generate/chat call share (see Engine._plan)."""
-
-    params_at: Callable[[int], SamplingParams]
-    backend: str | None
-    per_item_specs: list[dict[str, Any]]
-    per_prompt: bool
-    shared_spec: OutputSpec | None
-    chat: bool
-
-
-class Engine:
+class Engine(EngineInputs, EngineStreaming):
     """A causal LM turned into a structured-output engine. See README for examples."""
 
     def __init__(
@@ -209,77 +172,6 @@ class Engine:
             return self.config.grammar_mask_workers
         return 1 if self.device.type == "cpu" else min(8, max(2, (os.cpu_count() or 2) // 2))
 
-    # ------------------------------------------------------------------ inputs
-    def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-
-    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
-        ):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except Exception as e:  # jinja2 errors, a template's raise_exception(): this item's problem
-            raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
-
-    def encode_chat(self, messages: Messages) -> list[int]:
-        return list(self.tokenizer(self.render_chat(messages), add_special_tokens=False)["input_ids"])
-
-    def make_spec(self, **spec_kwargs: Any) -> OutputSpec | None:
-        if all(spec_kwargs.get(k) is None for k in _SPEC_KEYS):
-            return None
-        from .grammar.spec import make_output_spec
-
-        return make_output_spec(**spec_kwargs)
-
-    def _split_specs(self, n: int, spec_args: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
-        """One spec for all prompts, or one per prompt (a list of length n for a spec argument)."""
-        per_prompt = {}
-        for k in _SPEC_KEYS:
-            v = spec_args.get(k)
-            is_list = _per_prompt(k, v)
-            if is_list and len(v) != n:
-                raise GrammarError(f"{k}: a list gives one spec per prompt; got {len(v)} for {n} prompts")
-            if is_list:
-                per_prompt[k] = v
-        if not per_prompt:
-            return [spec_args] * n, False
-        out = []
-        for i in range(n):
-            d = dict(spec_args)
-            for k, v in per_prompt.items():
-                d[k] = v[i]
-            out.append(d)
-        return out, True
-
-    def _new_request(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        spec: OutputSpec | None,
-        index: int,
-        backend: str | None,
-        sample: int = 0,
-    ) -> Request:
-        if len(ids) == 0:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the model's context (or the KV pool) holds {self.max_model_len}"
-            )
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        if sample:  # sample 0 keeps the seed: with n=1 the same seed gives the same output
-            seed = step_seed(seed, -sample)
-        r = Request(prompt_ids=ids, params=params, spec=spec, seed=seed, index=index)
-        if params.prompt_logprobs is not None and sample == 0:  # the samples share one prompt
-            r.prompt_logprobs = [None]
-        if spec is not None:
-            r.grammar = GrammarState(future=self.grammar.compile_async(spec, backend, params.compile_timeout_s))
-        return r
-
     # ------------------------------------------------------------------ outputs
     def _hand_back(self, x: Request | list[Request] | Result, prompt: Any, raise_on_error: bool) -> Result:
         """The Result of a pending entry that is done (see outputs.py)."""
@@ -335,22 +227,6 @@ class Engine:
             single=single,
         )
 
-    @staticmethod
-    def _spec_args(spec_kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-        """(grammar_backend, the output-spec arguments); unknown keywords raise TypeError."""
-        spec_kwargs = dict(spec_kwargs)
-        backend = spec_kwargs.pop("grammar_backend", None)
-        if backend is not None and backend not in ("llguidance", "xgrammar"):
-            raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {backend!r}")
-        spec_args = {
-            k: spec_kwargs.pop(k)
-            for k in list(spec_kwargs)
-            if k in _SPEC_KEYS or k in ("grammar_syntax", "json_whitespace", "strict")
-        }
-        if spec_kwargs:
-            raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
-        return backend, spec_args
-
     def _run(
         self,
         items: list[Any],
@@ -403,38 +279,6 @@ class Engine:
             max_in_flight=max_in_flight,
             total=None,
         )
-
-    def _plan(self, items: Iterable[Any], params: ParamsArg, chat: bool, spec_kwargs: dict[str, Any]) -> "_CallPlan":
-        """What every item of one call shares: its params, its spec(s), the grammar backend.
-        A bad shared spec raises here, before any model work."""
-        params_at = self._params_per_item(items, params)
-        backend, spec_args = self._spec_args(spec_kwargs)
-        if isinstance(items, list):
-            per_item_specs, per_prompt = self._split_specs(len(items), spec_args)
-        else:
-            per_item_specs, per_prompt = [], False
-            if any(_per_prompt(k, spec_args.get(k)) for k in _SPEC_KEYS):
-                raise TypeError("a list of specs (one per prompt) needs a list of prompts, not an iterator")
-        shared_spec = None
-        if not per_prompt:
-            shared_spec = self.make_spec(**spec_args)  # a bad shared spec raises here
-            if shared_spec is not None:
-                # ... and fails before any model work (under the longest compile deadline asked for)
-                timeouts = [
-                    p.compile_timeout_s
-                    for p in ([params] if not isinstance(params, (list, tuple)) else params)
-                    if p is not None
-                ]
-                self.grammar.compile(shared_spec, backend, max(timeouts) if all(timeouts) and timeouts else None)
-        return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat)
-
-    def _requests_for(self, plan: "_CallPlan", i: int, item: Any) -> list[Request]:
-        """The request(s) of item i of a call: one, or n for SamplingParams(n). A problem of
-        this item alone (too long, a bad per-item spec) raises ValueError/TypeError."""
-        spec = self.make_spec(**plan.per_item_specs[i]) if plan.per_prompt else plan.shared_spec
-        ids = self.encode_chat(item) if plan.chat else self._encode_raw(item)
-        p = plan.params_at(i)
-        return [self._new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
 
     def _iter(
         self,
@@ -514,104 +358,7 @@ class Engine:
             )
         self.core.step()
 
-    @staticmethod
-    def _params_per_item(items: Iterable[Any], params: ParamsArg) -> Callable[[int], SamplingParams]:
-        """params: None, one SamplingParams, or one per item (needs a list of items)."""
-        if params is None or isinstance(params, SamplingParams):
-            shared = params or SamplingParams()
-            shared.validate()  # again: a field may have been changed since construction
-            return lambda i: shared
-        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
-            raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
-        if not isinstance(items, list):
-            raise TypeError("a list of SamplingParams needs a list of prompts (one per prompt)")
-        if len(params) != len(items):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts; pass one, or one per prompt")
-        for p in params:
-            p.validate()
-        return params.__getitem__
-
-    def _encode_raw(self, item: Any) -> list[int]:
-        if isinstance(item, str):
-            return self.encode_prompt(item)
-        if isinstance(item, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            bad = next((t for t in item if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"token id {bad} is outside the model's vocabulary (0 to {self.vocab_size - 1})")
-            return list(item)  # pre-tokenized prompt
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(item).__name__}")
-
-    # ------------------------------------------------------------------ streaming and conversations
-    def stream(
-        self, prompt: str | Messages, params: SamplingParams | None = None, *, partial: bool = False, **spec_kwargs: Any
-    ) -> Iterator[Any]:
-        """An iterator of text deltas as they are decoded (constrained or not). Bad input
-        raises here, at the call; decoding starts at the first ``next()``. A request that fails
-        midway (``finish_reason == "abort"``: a grammar dead end, no KV room) raises
-        OutputError after the text it produced; truncation and stops end the stream quietly.
-
-        ``partial=True`` (a JSON spec): partial objects instead of text, one each time another
-        top-level field is complete, then the validated object (see partial.py); an output
-        that does not complete or validate raises OutputError at the end."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"stream takes one prompt and one SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if params.n != 1:
-            raise ValueError(f"stream yields one completion: n must be 1, got {params.n}")
-        backend, spec_args = self._spec_args(spec_kwargs)
-        spec = self.make_spec(**spec_args)
-        if spec is not None:
-            self.grammar.compile(spec, backend, params.compile_timeout_s)
-        ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
-        if partial and (spec is None or not spec.is_json):
-            raise ValueError("partial=True needs a JSON output spec (schema= or a json response_format)")
-        r = self._new_request(ids, params, spec, 0, backend)
-        return self._partial(r, prompt) if partial else self._stream(r)
-
-    def _partial(self, r: Request, prompt: Any) -> Iterator[Any]:
-        from .partial import PartialObjects
-
-        objects = PartialObjects(r.spec.python_type)
-        for delta in self._stream(r):
-            obj = objects.feed(delta)
-            if obj is not None:
-                yield obj
-        result = self._hand_back(r, prompt, False)
-        if result.error is not None:
-            raise OutputError(
-                f"the streamed output is not a complete valid object: {result.error_type}: {result.error}"
-            )
-        yield result.parsed if r.spec.python_type is not None else result.json
-
-    def _stream(self, r: Request) -> Iterator[str]:
-        with self._core_lock:
-            self.core.add(r)
-        shown = 0  # characters of the output text already yielded
-        try:
-            while True:
-                with self._core_lock:  # another thread may be stepping: read the text here
-                    if not r.finished:
-                        self._step_for(r)
-                    # What this pass saw: a step run by another call while this generator
-                    # waits at its yield may finish r, and its last text must still be shown.
-                    done = r.finished
-                    if done:
-                        r.detok.flush()
-                    text = r.visible_text(final=done)
-                if len(text) > shown:
-                    yield text[shown:]
-                    shown = len(text)
-                if done:
-                    if r.finish_reason == "abort":  # failed (a grammar dead end, no room): say so
-                        raise OutputError(f"stream aborted after {r.num_output} tokens: {r.error_type}: {r.error}")
-                    return
-        finally:
-            with self._core_lock:
-                if not r.finished:
-                    self.core.abort(r)
-                self.core.drain_finished()
-
+    # ------------------------------------------------------------------ conversations
     def conversation(self, system: str | None = None, params: SamplingParams | None = None) -> Conversation:
         from .conversation import Conversation
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import outputs
-from .api import ParamsArg, split_chat_messages
 from .errors import OutputError
+from .inputs import ParamsArg, split_chat_messages
 from .params import SamplingParams
 from .request import Request
 from .result import Result

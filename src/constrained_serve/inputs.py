@@ -1,0 +1,220 @@
+"""A call's inputs: prompts or message lists, sampling parameters and output specs, turned
+into ``Request`` objects. ``EngineInputs`` is the input side of ``Engine`` (api.py); a bad
+shared spec fails here, before any model work, and a problem of one item fails that item alone.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .config import EngineConfig
+from .errors import GrammarError, PromptTooLongError
+from .params import OutputSpec, SamplingParams
+from .request import GrammarState, Request
+from .sampler import step_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .grammar.manager import GrammarManager
+
+
+def _per_prompt(key: str, value: Any) -> bool:
+    """A list is one spec per prompt, except choices=["yes", "no"] (one spec for all)."""
+    return isinstance(value, list) and (
+        key != "choices" or (len(value) > 0 and all(isinstance(x, (list, tuple)) or x is None for x in value))
+    )
+
+
+Messages = list[dict[str, Any]]
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None  # one for all items, or one each
+_SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
+
+
+def split_chat_messages(messages: Any) -> tuple[list[Messages], bool]:
+    """``chat()``'s input as a list of conversations, and whether it was one conversation
+    (a list of messages) rather than a list of them."""
+    if isinstance(messages, (str, bytes, dict)):
+        raise TypeError(
+            f"chat() takes a list of {{'role': ..., 'content': ...}} messages (or a list of such "
+            f"lists), got a {type(messages).__name__}; for raw text use generate()"
+        )
+    single = len(messages) > 0 and isinstance(messages[0], dict)
+    return ([messages] if single else list(messages)), single
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    """What the items of one generate/chat call share (see Engine._plan)."""
+
+    params_at: Callable[[int], SamplingParams]
+    backend: str | None
+    per_item_specs: list[dict[str, Any]]
+    per_prompt: bool
+    shared_spec: OutputSpec | None
+    chat: bool
+
+
+class EngineInputs:
+    """The input side of ``Engine``: what it needs of the engine is declared here."""
+
+    config: EngineConfig
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int
+    _rng: random.Random
+
+    @property
+    def grammar(self) -> GrammarManager:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as e:  # jinja2 errors, a template's raise_exception(): this item's problem
+            raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        return list(self.tokenizer(self.render_chat(messages), add_special_tokens=False)["input_ids"])
+
+    def make_spec(self, **spec_kwargs: Any) -> OutputSpec | None:
+        if all(spec_kwargs.get(k) is None for k in _SPEC_KEYS):
+            return None
+        from .grammar.spec import make_output_spec
+
+        return make_output_spec(**spec_kwargs)
+
+    def _split_specs(self, n: int, spec_args: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+        """One spec for all prompts, or one per prompt (a list of length n for a spec argument)."""
+        per_prompt = {}
+        for k in _SPEC_KEYS:
+            v = spec_args.get(k)
+            is_list = _per_prompt(k, v)
+            if is_list and len(v) != n:
+                raise GrammarError(f"{k}: a list gives one spec per prompt; got {len(v)} for {n} prompts")
+            if is_list:
+                per_prompt[k] = v
+        if not per_prompt:
+            return [spec_args] * n, False
+        out = []
+        for i in range(n):
+            d = dict(spec_args)
+            for k, v in per_prompt.items():
+                d[k] = v[i]
+            out.append(d)
+        return out, True
+
+    def _new_request(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        spec: OutputSpec | None,
+        index: int,
+        backend: str | None,
+        sample: int = 0,
+    ) -> Request:
+        if len(ids) == 0:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the model's context (or the KV pool) holds {self.max_model_len}"
+            )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        if sample:  # sample 0 keeps the seed: with n=1 the same seed gives the same output
+            seed = step_seed(seed, -sample)
+        r = Request(prompt_ids=ids, params=params, spec=spec, seed=seed, index=index)
+        if params.prompt_logprobs is not None and sample == 0:  # the samples share one prompt
+            r.prompt_logprobs = [None]
+        if spec is not None:
+            r.grammar = GrammarState(future=self.grammar.compile_async(spec, backend, params.compile_timeout_s))
+        return r
+
+    @staticmethod
+    def _spec_args(spec_kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+        """(grammar_backend, the output-spec arguments); unknown keywords raise TypeError."""
+        spec_kwargs = dict(spec_kwargs)
+        backend = spec_kwargs.pop("grammar_backend", None)
+        if backend is not None and backend not in ("llguidance", "xgrammar"):
+            raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {backend!r}")
+        spec_args = {
+            k: spec_kwargs.pop(k)
+            for k in list(spec_kwargs)
+            if k in _SPEC_KEYS or k in ("grammar_syntax", "json_whitespace", "strict")
+        }
+        if spec_kwargs:
+            raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
+        return backend, spec_args
+
+    def _plan(self, items: Iterable[Any], params: ParamsArg, chat: bool, spec_kwargs: dict[str, Any]) -> "_CallPlan":
+        """What every item of one call shares: its params, its spec(s), the grammar backend.
+        A bad shared spec raises here, before any model work."""
+        params_at = self._params_per_item(items, params)
+        backend, spec_args = self._spec_args(spec_kwargs)
+        if isinstance(items, list):
+            per_item_specs, per_prompt = self._split_specs(len(items), spec_args)
+        else:
+            per_item_specs, per_prompt = [], False
+            if any(_per_prompt(k, spec_args.get(k)) for k in _SPEC_KEYS):
+                raise TypeError("a list of specs (one per prompt) needs a list of prompts, not an iterator")
+        shared_spec = None
+        if not per_prompt:
+            shared_spec = self.make_spec(**spec_args)  # a bad shared spec raises here
+            if shared_spec is not None:
+                # ... and fails before any model work (under the longest compile deadline asked for)
+                timeouts = [
+                    p.compile_timeout_s
+                    for p in ([params] if not isinstance(params, (list, tuple)) else params)
+                    if p is not None
+                ]
+                self.grammar.compile(shared_spec, backend, max(timeouts) if all(timeouts) and timeouts else None)
+        return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat)
+
+    def _requests_for(self, plan: "_CallPlan", i: int, item: Any) -> list[Request]:
+        """The request(s) of item i of a call: one, or n for SamplingParams(n). A problem of
+        this item alone (too long, a bad per-item spec) raises ValueError/TypeError."""
+        spec = self.make_spec(**plan.per_item_specs[i]) if plan.per_prompt else plan.shared_spec
+        ids = self.encode_chat(item) if plan.chat else self._encode_raw(item)
+        p = plan.params_at(i)
+        return [self._new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
+
+    @staticmethod
+    def _params_per_item(items: Iterable[Any], params: ParamsArg) -> Callable[[int], SamplingParams]:
+        """params: None, one SamplingParams, or one per item (needs a list of items)."""
+        if params is None or isinstance(params, SamplingParams):
+            shared = params or SamplingParams()
+            shared.validate()  # again: a field may have been changed since construction
+            return lambda i: shared
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
+        if not isinstance(items, list):
+            raise TypeError("a list of SamplingParams needs a list of prompts (one per prompt)")
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts; pass one, or one per prompt")
+        for p in params:
+            p.validate()
+        return params.__getitem__
+
+    def _encode_raw(self, item: Any) -> list[int]:
+        if isinstance(item, str):
+            return self.encode_prompt(item)
+        if isinstance(item, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            bad = next((t for t in item if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside the model's vocabulary (0 to {self.vocab_size - 1})")
+            return list(item)  # pre-tokenized prompt
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(item).__name__}")
