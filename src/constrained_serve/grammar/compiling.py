@@ -1,0 +1,280 @@
+"""The compile side of ``GrammarManager`` (manager.py): compiling specs in the compile
+workers under ``compile_timeout_s``, the LRU cache of compiled grammars (one in-flight
+compile per spec, shared), refusing at once a spec shaped like one whose compile overran
+(``spec_shape``), evicting a grammar a matcher failed on, and checking finished outputs
+(``matches``). ``GrammarCompiling`` is a part of ``GrammarManager``, which holds its state.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import re
+from typing import Any
+
+from ..errors import GrammarError
+from ..params import OutputSpec
+from .base import CompiledGrammar
+from .matchers import portable
+from .worker import WorkerFailure
+
+logger = logging.getLogger("constrained_serve.grammar.manager")
+
+BACKENDS = ("llguidance", "xgrammar")
+CacheKey = tuple[str, str, str, bool, bool]
+
+
+def spec_shape(spec: OutputSpec, backend: str) -> tuple[str, str, str, bool, bool]:
+    """A spec with the contents of its literals and regexes folded (runs of letters -> "a", of
+    digits -> "0") and whitespace dropped: specs that differ by another letter in a regex or a
+    reindent share a shape (and, for a runaway compile, its fate). Structure, rule names and
+    JSON property names are kept: they make different grammars, not trivial edits."""
+    if spec.is_json:
+        try:
+            text = json.dumps(_fold_patterns(json.loads(spec.text)), sort_keys=True, separators=(",", ":"))
+        except ValueError:
+            text = spec.text
+    elif spec.kind == "regex":
+        text = _fold(spec.text)
+    elif spec.kind in ("lark", "ebnf"):
+        text = _LITERAL.sub(lambda m: _fold(m.group()), spec.text)
+    else:
+        text = spec.text
+    return (backend, spec.kind, re.sub(r"\s+", "", text), spec.whitespace, spec.strict)
+
+
+_LITERAL = re.compile(r'"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\\n])+/[imslux]*')
+
+
+def _fold(text: str) -> str:
+    return re.sub(r"[0-9]+", "0", re.sub(r"[A-Za-z_]+", "a", text))
+
+
+def _fold_patterns(schema: Any) -> Any:
+    """A schema with its ``pattern`` values and ``patternProperties`` keys folded."""
+    if isinstance(schema, dict):
+        out = {}
+        for k, v in schema.items():
+            if k == "pattern" and isinstance(v, str):
+                out[k] = _fold(v)
+            elif k == "patternProperties" and isinstance(v, dict):
+                out[k] = {_fold(p): _fold_patterns(s) for p, s in v.items()}
+            else:
+                out[k] = _fold_patterns(v)
+        return out
+    if isinstance(schema, list):
+        return [_fold_patterns(x) for x in schema]
+    return schema
+
+
+class GrammarCompiling:
+    """Compiling and caching grammars; a part of ``GrammarManager``."""
+
+    def _checkout_compiler(self, name: str, start: bool = False) -> Any:
+        with self._idle:
+            while True:
+                idle = self._idle_compilers.setdefault(name, [])
+                if idle:
+                    client = idle.pop()
+                    break
+                clients = self._compilers.setdefault(name, [])
+                if len(clients) < self._max_compilers:
+                    client = self._client(name, f"{name} compile #{len(clients)}", None)
+                    clients.append(client)
+                    break
+                self._idle.wait()
+        if start:
+            try:
+                client.start()
+            except BaseException:
+                self._release_compiler(name, client)
+                raise
+        return client
+
+    def _release_compiler(self, name: str, client: Any) -> None:
+        with self._idle:
+            self._idle_compilers[name].append(client)
+            self._idle.notify()
+
+    def _loaded_in(self, client: Any) -> set[int]:
+        """The gids ``client`` holds in its current epoch (a restart empties it)."""
+        epoch, gids = self._loaded.get(client, (-1, set()))
+        if epoch != client.epoch:
+            gids = set()
+            self._loaded[client] = (client.epoch, gids)
+        return gids
+
+    # -- compile -------------------------------------------------------------------------
+    @staticmethod
+    def cache_key(spec: OutputSpec, backend: str) -> CacheKey:
+        return (backend, spec.kind, spec.text, spec.whitespace, spec.strict)
+
+    def compile_async(self, spec: OutputSpec, backend: str | None = None, timeout_s: float | None = None) -> cf.Future:
+        """A future of the ``CompiledGrammar``; ``.result()`` raises GrammarError on failure.
+        ``timeout_s``: this compile's deadline (None: ``compile_timeout_s``)."""
+        name = backend or self.default_backend
+        fut: cf.Future
+        if name not in BACKENDS:
+            fut = cf.Future()
+            fut.set_exception(
+                GrammarError(f"unknown grammar backend {name!r}; expected one of {BACKENDS}", backend=name)
+            )
+            return fut
+        timeout = float(timeout_s or self.compile_timeout_s)
+        key = self.cache_key(spec, name)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.stats["hits"] += 1
+                fut = cf.Future()
+                fut.set_result(hit)
+                return fut
+            pending = self._pending.get(key)
+            if pending is not None:  # in flight: share it
+                self.stats["hits"] += 1
+                return pending
+            shape = spec_shape(spec, name)
+            seen = self._timed_out.get(shape)
+            if seen is not None and timeout <= seen[0]:
+                self._timed_out.move_to_end(shape)
+                self.stats["timeout_refusals"] += 1
+                fut = cf.Future()
+                fut.set_exception(GrammarError(seen[1], backend=name, reason="timeout"))
+                return fut
+            self.stats["misses"] += 1
+            fut = self._pool.submit(self._compile_job, spec, name, key, timeout)
+            self._pending[key] = fut
+        return fut
+
+    def compile(self, spec: OutputSpec, backend: str | None = None, timeout_s: float | None = None) -> CompiledGrammar:
+        return self.compile_async(spec, backend, timeout_s).result()
+
+    def _compile_job(self, spec: OutputSpec, name: str, key: CacheKey, timeout: float) -> CompiledGrammar:
+        try:
+            gid = next(self._gids)
+            client = self._checkout_compiler(name)
+            try:
+                [(ok, value)] = client.call([("compile", gid, portable(spec))], [timeout])
+                if ok:
+                    self._loaded_in(client).add(gid)
+            except WorkerFailure as e:
+                if not e.overrun:
+                    raise GrammarError(
+                        f"{name}: the grammar worker failed while compiling the {spec.kind} spec: {e}",
+                        backend=name,
+                        reason="worker failure",
+                    ) from None
+                raise self._timed_out_error(spec, name, timeout, e.elapsed) from None
+            finally:
+                self._release_compiler(name, client)
+            if not ok:
+                etype, message, reason = value
+                if etype == "GrammarError":
+                    raise GrammarError(message, backend=name, reason=reason)
+                raise GrammarError(
+                    f"{name}: unexpected error compiling the {spec.kind} spec: {etype}: {message}",
+                    backend=name,
+                    reason=message,
+                )
+            payload, warnings, compile_s = value
+            compiled = CompiledGrammar(name, spec, None, compile_s, list(warnings), gid=gid, payload=payload)
+            with self._lock:
+                self._cache_put(key, compiled)
+            return compiled
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def _timed_out_error(
+        self, spec: OutputSpec, name: str, timeout: float, elapsed: tuple[float, float | None] | None = None
+    ) -> GrammarError:
+        ran = ""
+        if elapsed is not None:
+            wall, cpu = elapsed
+            ran = f"; it ran {wall:.1f} s" + ("" if cpu is None else f" and used {cpu:.1f} s of CPU")
+        message = (
+            f"{name}: compiling the {spec.kind} spec took longer than {timeout:g} s of CPU time (its worker "
+            f"was killed{ran}); this spec, and specs of the same shape, are refused at once from now on "
+            f"unless compile_timeout_s is raised"
+        )
+        with self._lock:
+            self.stats["timeouts"] += 1
+            shape = spec_shape(spec, name)
+            self._timed_out[shape] = (timeout, message)
+            self._timed_out.move_to_end(shape)
+            while len(self._timed_out) > self.cache_size:
+                self._timed_out.popitem(last=False)
+        logger.warning("%s", message)
+        return GrammarError(message, backend=name, reason="timeout")
+
+    def _cache_put(self, key: CacheKey, compiled: CompiledGrammar) -> None:
+        """Cache a finished compile, least recently used out first (caller holds the lock)."""
+        self.stats["compiles"] += 1
+        self._cache[key] = compiled
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._retire(self._cache.popitem(last=False)[1].gid)
+
+    def evict(self, compiled: CompiledGrammar) -> None:
+        """Drop ``compiled`` from the cache: the next request with its spec compiles afresh."""
+        with self._lock:
+            key = self.cache_key(compiled.spec, compiled.backend)
+            if self._cache.get(key) is compiled:
+                del self._cache[key]
+                self.stats["evictions"] += 1
+                logger.warning(
+                    "%s grammar of a %s spec evicted after a matcher failure: the next request with it compiles afresh",
+                    compiled.backend,
+                    compiled.spec.kind,
+                )
+            self._retire(compiled.gid)
+
+    def _retire(self, gid: int) -> None:
+        """``gid`` leaves the workers once no matcher uses it."""
+        with self._lock:
+            self._retired.add(gid)
+            if self._live_per_gid[gid] == 0:
+                self._unload(gid)
+
+    def _unload(self, gid: int) -> None:
+        for client, (epoch, gids) in list(self._loaded.items()):
+            if gid in gids and epoch == client.epoch:
+                gids.discard(gid)
+                self._queued[client].append(("unload", gid))
+        self._retired.discard(gid)
+
+    def matches(self, compiled: CompiledGrammar, text: str) -> bool:
+        """``text`` is a complete match of the compiled grammar (checked in a compile worker;
+        GrammarError if that overruns ``compile_timeout_s``)."""
+        name = compiled.backend
+        client = self._checkout_compiler(name)
+        try:
+            items = (
+                []
+                if compiled.gid in self._loaded_in(client)
+                else [("load", compiled.gid, compiled.payload, portable(compiled.spec))]
+            )
+            items.append(("matches", compiled.gid, text))
+            try:
+                outcome = client.call(items, [self.compile_timeout_s] * len(items))
+            except WorkerFailure as e:
+                raise GrammarError(
+                    f"{name}: checking a finished output against the {compiled.spec.kind} spec failed: {e}",
+                    backend=name,
+                    reason="worker failure",
+                ) from None
+            if len(items) == 2 and outcome[0][0]:
+                self._loaded_in(client).add(compiled.gid)
+            ok, value = outcome[-1]
+            if not ok:  # the worker dropped its copy (a broken one): the next check rebuilds it
+                self._loaded_in(client).discard(compiled.gid)
+                raise GrammarError(
+                    f"{name}: checking a finished output failed: {value[1]}", backend=name, reason=value[1]
+                )
+            return bool(value)
+        finally:
+            self._release_compiler(name, client)
+
+    # -- matchers ------------------------------------------------------------------------
