@@ -33,7 +33,7 @@ class OutputError(ConstrainedServeError, ValueError):
 class OutputValidationError(OutputError):
     """A complete output that the user's Pydantic type refuses (a validator, a constraint
     JSON Schema cannot express), or that the spec refuses where the grammar backend read it
-    more loosely (see grammar.spec._check_conformance). ``value`` holds the parsed JSON
+    more loosely (see grammar.output_check._check_conformance). ``value`` holds the parsed JSON
     (None for a regex output); raised with ``raise_on_error=True``, its ``__cause__`` is
     Pydantic's ValidationError where Pydantic refused it."""
 

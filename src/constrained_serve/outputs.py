@@ -2,7 +2,7 @@
 
 A constrained output that ``max_tokens`` or a stop cut short is flagged as truncated, never
 repaired; a complete one is parsed (JSON, the Pydantic type) and checked one last time
-(``grammar.spec.parse_output``). ``raise_on_error`` turns the error into an exception.
+(``grammar.output_check.parse_output``). ``raise_on_error`` turns the error into an exception.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _result(r: Request, prompt: Any, raise_on_error: bool, grammar: Any, max_mod
                 f"output cut by {what} {r.stop_reason!r} before the {r.spec.kind} was complete; nothing was repaired"
             )
         elif res.finish_reason == "stop":
-            from .grammar.spec import parse_output
+            from .grammar.output_check import parse_output
 
             try:
                 res.json, res.parsed = parse_output(r.spec, text)

@@ -376,7 +376,7 @@ def test_lark_earley_check_is_time_bounded(caplog):
     # and the output goes unchecked, rather than stalling the batch for seconds.
     spec = make_output_spec(grammar='start: e\ne: e e | A | b\nb: A\nA: "a"\n')
     t0 = time.perf_counter()
-    with caplog.at_level(logging.DEBUG, logger="constrained_serve.grammar.spec"):
+    with caplog.at_level(logging.DEBUG, logger="constrained_serve.grammar.output_check"):
         assert parse_output(spec, "a" * 200) == (None, "a" * 200)
     assert time.perf_counter() - t0 < 2 and "left unchecked" in caplog.text
     with pytest.raises(OutputValidationError):  # a short refusal still comes through

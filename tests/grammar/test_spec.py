@@ -256,7 +256,7 @@ def test_the_lark_deadline_only_cuts_the_code_it_bounds():
     import os
     import time as clock
 
-    from constrained_serve.grammar.spec import _call_with_deadline, _Deadline
+    from constrained_serve.grammar.output_check import _call_with_deadline, _Deadline
 
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep
     calls_elsewhere = []

@@ -18,7 +18,7 @@ _EXPORTS = {
     "MatcherHandle": ".manager",
     "canonical_json": ".spec",
     "make_output_spec": ".spec",
-    "parse_output": ".spec",
+    "parse_output": ".output_check",
     "TokenizerData": ".tokenizer_data",
 }
 

@@ -1,4 +1,4 @@
-"""Regex matching with a time bound, for the final conformance check (``spec._check_conformance``).
+"""Regex matching with a time bound, for the final conformance check (``output_check._check_conformance``).
 
 Python's ``re`` backtracks without a bound: ``re.fullmatch(r"(\\w+\\s?)+", "a" * 30 + "!")``
 runs for minutes, and a finished output that a backend read differently from ``re`` (the
