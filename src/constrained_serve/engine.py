@@ -18,7 +18,6 @@ reference the overlapped loop must match token for token.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import Sampler, record_prompt_logprobs
 from .scheduler import Scheduler
+from .stop_strings import forced_until_stop, stop_string_seen
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -161,7 +161,7 @@ class EngineCore:
         out, emits = [], []
         for r, forced in rows:
             if r.params.stop and forced:  # the token that completes a stop string ends them
-                forced = forced[: self._stop_string_end(r, forced)]
+                forced = forced[: forced_until_stop(r, forced)]
             out.append(forced)
             if not forced:
                 continue
@@ -365,7 +365,7 @@ class EngineCore:
         elif new and new[-1] in p.stop_token_ids:
             reason, r.stop_reason = "stop", new[-1]
             r.text_end = r.text_mark  # the stop token's text is not part of the output
-        elif p.stop and (seen := self._stop_string_seen(r)) is not None:
+        elif p.stop and (seen := stop_string_seen(r)) is not None:
             # Before the grammar's end: a stop string in the closing text (a "}") cuts it.
             reason, r.stop_reason = "stop", seen
         elif grammar_finished:
@@ -377,36 +377,6 @@ class EngineCore:
         self.scheduler.finish(r, reason)
         self.finished_queue.append(r)
         return True
-
-    @staticmethod
-    def _stop_string_end(r: Request, forced: list[int]) -> int:
-        """How many of ``forced`` to append: up to the token whose text completes a stop
-        string (all of them if none does), as had they been sampled one at a time."""
-        detok = copy.copy(r.detok)
-        detok.ids = list(detok.ids)
-        start = EngineCore._stop_scan_start(r)
-        for i, t in enumerate(forced):
-            detok.push([t])
-            if any(detok.text.find(s, start) >= 0 for s in r.params.stop):
-                return i + 1
-        return len(forced)
-
-    @staticmethod
-    def _stop_scan_start(r: Request) -> int:
-        """Where a stop string could begin in text added since the last check: the scanned
-        part minus enough for a stop string that straddles the boundary."""
-        return max(0, r.stop_scanned - max(len(s) for s in r.params.stop) + 1)
-
-    @staticmethod
-    def _stop_string_seen(r: Request) -> str | None:
-        """The stop string that occurs first in the text, or None. Searches only the text
-        added since the last check, plus enough before it for a stop string that straddles
-        the boundary (a fast-forward can add many characters at once)."""
-        text = r.detok.text
-        start = EngineCore._stop_scan_start(r)
-        r.stop_scanned = len(text)
-        found = [(i, s) for s in r.params.stop if (i := text.find(s, start)) >= 0]
-        return min(found)[1] if found else None
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
