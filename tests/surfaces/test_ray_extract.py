@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="pip install 'constrained-serve[ray]'")
+try:
+    import ray
+except ImportError:  # make setup installs it; a missing Ray is a failure, not a skip
+    pytest.fail("Ray is not installed: pip install 'constrained-serve[ray]' (make setup does)", pytrace=False)
 
 from constrained_serve.cli import main  # noqa: E402
 
@@ -307,3 +310,38 @@ def test_default_model_on_ray_equals_local(cluster, default_model_dir, tmp_path)
     got = rows(on_ray)
     assert without_cache_counts(got) == without_cache_counts(rows(local))
     assert sum("output" in r for r in got) >= 5 and got[-1]["error"]["type"] == "invalid_json"
+
+
+def test_a_row_that_keeps_failing_becomes_an_error_row_and_the_batch_goes_on(tiny_llama_dir):
+    """In a replica, a batch whose run raises is rerun row by row; the row that fails alone
+    gets an error row, the others their outputs (the same replica code Ray runs)."""
+    from constrained_serve import SamplingParams
+    from constrained_serve.extract.job import InputItem
+    from constrained_serve.ray.replica import KEY, OK, ROW, ExtractReplica, ReplicaConfig, item_record
+
+    config = ReplicaConfig({"model": str(tiny_llama_dir), "max_num_seqs": 4}, SamplingParams(max_tokens=4), {}, False)
+    replica = ExtractReplica(config)
+    real = replica._extract
+    calls = []
+
+    def extract(items):
+        calls.append([it.id for it in items])
+        if any(it.id == "bad" for it in items):
+            raise RuntimeError("this row breaks the engine")
+        return real(items)
+
+    replica._extract = extract
+    items = [
+        InputItem(i + 1, name, messages=[{"role": "user", "content": f"row {name}"}])
+        for i, name in enumerate(["a", "bad", "c"])
+    ]
+    out = replica({"item": [item_record(it, i)["item"] for i, it in enumerate(items)]})
+    assert calls[0] == ["a", "bad", "c"] and sorted(calls[1:]) == [["a"], ["bad"], ["c"]]
+    rows = [json.loads(r) for r in out[ROW]]
+    assert [r["id"] for r in rows] == ["a", "bad", "c"] and out[KEY] == [it.key for it in items]
+    assert out[OK][1] is False and rows[1]["error"] == {
+        "type": "runtime",
+        "message": "RuntimeError: this row breaks the engine",
+    }
+    # The others ran on the model (4 tokens of a random model: cut at max_tokens, as locally).
+    assert rows[0]["finish_reason"] == rows[2]["finish_reason"] == "length" and "finish_reason" not in rows[1]
