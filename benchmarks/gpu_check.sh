@@ -41,7 +41,7 @@ run() { "$@"; local rc=$?; if [ $rc -ne 0 ]; then echo "FAILED (rc=$rc): $*"; st
 if [ "$SMOKE" = 1 ]; then
   export TRITON_INTERPRET=1
   step "kernel tests (CPU, interpreter)"
-  run "$PY" -m pytest -q tests/kernel_tests
+  run "$PY" -m pytest -q tests/kernel
   step "gpu_kernels.py --cpu-smoke"
   run "$PY" benchmarks/gpu_kernels.py --cpu-smoke
   step "compile check, frontend only (no GPU needed)"

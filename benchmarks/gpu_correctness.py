@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> dict:
                 rates.append(compare(f"JSON schema, {backend}", got, want, report))
                 gm.close()
                 e2.grammar.close()
-        eng.grammar.close() if eng._grammar is not None else None
+        eng.core.grammar.close() if eng.core.grammar is not None else None
     need = 1.0 if args.dtype == "float32" else 0.95
     report["pass"] = all(r >= need for r in rates) and report["engine_paths"]["equal_with_cache"]
     report["required_rate"] = need

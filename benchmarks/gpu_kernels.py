@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from tests.kernel_tests.helpers import expected_probs, make_batch  # noqa: E402
 
 from constrained_serve.kernels import attention as A  # noqa: E402
 from constrained_serve.kernels import sampling as S  # noqa: E402
+from tests.kernel.helpers import expected_probs, make_batch  # noqa: E402
 
 CHI2_CRIT_001 = {
     1: 10.828,

@@ -35,7 +35,7 @@ def ttft(engine: Engine, prompt_ids: list[int]) -> float:
     engine.core.add(r)
     while not r.finished:
         engine.core.step()
-    engine.core._drain()
+    engine.core.drain_finished()
     return time.perf_counter() - t
 
 
