@@ -295,7 +295,7 @@ class AsyncEngine:
             async for delta in self._stream_request(r):
                 yield delta
             return
-        from .partial import PartialObjects
+        from .partial import PartialObjects, final_object
 
         if r.spec is None or not r.spec.is_json:
             self._stepper.cancel([r])
@@ -305,12 +305,7 @@ class AsyncEngine:
             obj = objects.feed(delta)
             if obj is not None:
                 yield obj
-        result = self.engine._hand_back(r, prompt, False)
-        if result.error is not None:
-            raise OutputError(
-                f"the streamed output is not a complete valid object: {result.error_type}: {result.error}"
-            )
-        yield result.parsed if r.spec.python_type is not None else result.json
+        yield final_object(self.engine._hand_back(r, prompt, False), r.spec)
 
     async def _stream_request(self, r: Request) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()

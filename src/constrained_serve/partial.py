@@ -10,11 +10,16 @@ the final object, validated as a whole (``Result.parsed``, or ``Result.json`` wi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .errors import OutputError
 from .json_spans import complete_members
 
-__all__ = ["PartialObjects"]
+if TYPE_CHECKING:
+    from .params import OutputSpec
+    from .result import Result
+
+__all__ = ["PartialObjects", "final_object"]
 
 
 class PartialObjects:
@@ -53,3 +58,11 @@ class PartialObjects:
             except Exception:  # noqa: BLE001 - the final validation reports it
                 values[name] = value
         return self.type.model_construct(_fields_set=set(values), **values)
+
+
+def final_object(result: Result, spec: OutputSpec) -> Any:
+    """What a partial stream yields last: the validated object (the Pydantic instance, or
+    the JSON value), or OutputError when the finished output is not a complete valid one."""
+    if result.error is not None:
+        raise OutputError(f"the streamed output is not a complete valid object: {result.error_type}: {result.error}")
+    return result.parsed if spec.python_type is not None else result.json

@@ -51,19 +51,14 @@ class EngineStreaming:
         return self._partial(r, prompt) if partial else self._stream(r)
 
     def _partial(self, r: Request, prompt: Any) -> Iterator[Any]:
-        from .partial import PartialObjects
+        from .partial import PartialObjects, final_object
 
         objects = PartialObjects(r.spec.python_type)
         for delta in self._stream(r):
             obj = objects.feed(delta)
             if obj is not None:
                 yield obj
-        result = self._hand_back(r, prompt, False)
-        if result.error is not None:
-            raise OutputError(
-                f"the streamed output is not a complete valid object: {result.error_type}: {result.error}"
-            )
-        yield result.parsed if r.spec.python_type is not None else result.json
+        yield final_object(self._hand_back(r, prompt, False), r.spec)
 
     def _stream(self, r: Request) -> Iterator[str]:
         with self._core_lock:
