@@ -35,7 +35,9 @@ def test_gather_over_32_requests_equals_sync_generate(tiny):
 
     got, steps = asyncio.run(main())
     assert got == want
-    assert steps < 3 * 13, steps
+    # One at a time would take 32 x 13 steps; shared batches take about 13, a few times that
+    # when a loaded machine staggers the submissions (seen: over 39 once, beside a CI run).
+    assert steps < 32 * 13 // 3, steps
 
 
 @pytest.mark.timeout(120)
