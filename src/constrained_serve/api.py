@@ -104,13 +104,12 @@ class Engine(EngineInputs, EngineStreaming):
         pins = PinRegistry(self.pool, radix, self._core_lock, cfg.conversation_lock_fraction)
         self.kv = KVCacheManager(self.pool, radix, pins=pins, copy_page_prefix=runner.copy_page_prefix)
         scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens(dev))
-        self.eos_token_ids: frozenset[int] = frozenset(loader.eos_token_ids(self.hf_config, self.tokenizer))
         self.core = EngineCore(
             runner,
             scheduler,
             self.kv,
             self.tokenizer,
-            set(self.eos_token_ids),
+            loader.eos_token_ids(self.hf_config, self.tokenizer),
             self.max_model_len,
             make_grammar=self._make_grammar,
             overlap=cfg.overlap,
@@ -138,6 +137,11 @@ class Engine(EngineInputs, EngineStreaming):
         else:
             tokens = 32768
         return max(1, tokens // cfg.page_size)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end an output (the core's set, read-only)."""
+        return frozenset(self.core.eos_token_ids)
 
     @property
     def vocab_size(self) -> int:

@@ -45,8 +45,11 @@ class Conversation:
         # The hold on the cached history (cache/pins.py): released by close(), or at the
         # engine's next step after this conversation is garbage-collected.
         self._pin = engine.kv.pins.open(self)
-        self.closed = False
         self._turn = threading.Lock()  # held while a turn is in flight
+
+    @property
+    def closed(self) -> bool:
+        return self._pin.closed  # set by close(), under the lock pins.pin() takes
 
     @property
     def pages(self) -> list[int]:
@@ -114,7 +117,6 @@ class Conversation:
         self.engine.kv.pins.release(self._pin)
 
     def close(self) -> None:
-        self.closed = True
         self.engine.kv.pins.close(self._pin)
 
     def __enter__(self) -> "Conversation":

@@ -65,14 +65,8 @@ class EngineInputs:
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     _rng: random.Random
-
-    @property
-    def grammar(self) -> GrammarManager:
-        raise NotImplementedError
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
+    grammar: GrammarManager  # Engine's properties
+    vocab_size: int
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
