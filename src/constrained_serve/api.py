@@ -97,6 +97,8 @@ class Engine(EngineInputs, EngineStreaming):
         radix = RadixCache(self.pool, cfg.page_size) if cfg.enable_prefix_cache else None
         self.max_model_len = min(model_len, num_pages * cfg.page_size)
         runner = ModelRunner(self.model, num_pages, cfg.page_size, dev, self.dtype)
+        if dev.type == "cuda" and cfg.cuda_graphs:
+            runner.enable_decode_graphs(cfg.graph_batch(), self.max_model_len)
         # One thread at a time drives the core (adds, steps, aborts) and changes the cache
         # (conversation pins take it too). Calls from several threads still share batches:
         # every step advances every caller's requests, and each caller only waits for its own.

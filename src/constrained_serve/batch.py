@@ -56,6 +56,9 @@ class AttentionMetadata:
     # Host copies, so the CPU path never syncs on a device tensor.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # Split-KV count of the decode rows, fixed by a CUDA graph at capture (cuda_graphs.py);
+    # None: chosen per step from the host sizes (decode_split_triton.default_num_splits).
+    decode_splits: int | None = None
     # Per-step plans of the torch path (index tensors, masks), built by the first layer.
     plan_cache: dict = field(default_factory=dict, repr=False)
 

@@ -45,6 +45,11 @@ class EngineConfig:
     # Mask worker processes per backend, rows split over them: None is 1 on CPU (the forward
     # has the cores) and min(8, cores / 2) on CUDA (the forward runs on the GPU).
     grammar_mask_workers: int | None = None
+    # CUDA: replay all-decode steps through CUDA graphs captured at start-up (cuda_graphs.py),
+    # for batches up to cuda_graph_max_batch rows (None: max_num_seqs, at most 512). False is
+    # vLLM's enforce_eager.
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -82,6 +87,10 @@ class EngineConfig:
             type(self.grammar_mask_workers) is int and 1 <= self.grammar_mask_workers <= 64
         ):
             raise ValueError(f"grammar_mask_workers must be an int in [1, 64], got {self.grammar_mask_workers!r}")
+        if self.cuda_graph_max_batch is not None and not (
+            type(self.cuda_graph_max_batch) is int and 1 <= self.cuda_graph_max_batch <= 1024
+        ):
+            raise ValueError(f"cuda_graph_max_batch must be an int in [1, 1024], got {self.cuda_graph_max_batch!r}")
         if self.grammar_isolation not in ("process", "inline"):
             raise ValueError(f"grammar_isolation must be 'process' or 'inline', got {self.grammar_isolation!r}")
         if not 0 <= self.conversation_lock_fraction <= 1:
@@ -103,6 +112,12 @@ class EngineConfig:
         if self.dtype is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return self.dtype if isinstance(self.dtype, torch.dtype) else _DTYPES[self.dtype]
+
+    def graph_batch(self) -> int:
+        """The largest decode batch a CUDA graph is captured for."""
+        if self.cuda_graph_max_batch is not None:
+            return min(self.cuda_graph_max_batch, self.max_num_seqs)
+        return min(self.max_num_seqs, 512)
 
     def batched_tokens(self, device: torch.device) -> int:
         if self.max_num_batched_tokens is not None:

@@ -7,11 +7,14 @@ model and returns logits for the rows that sample only.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .batch import AttentionMetadata, Batch
+from .cuda_graphs import DecodeGraphs
+from .kernels.attention import triton_supports
 from .kernels.dispatch import use_triton
 from .kernels.kv_layout import allocate_pool
 from .models.llama import LlamaModel
@@ -29,6 +32,18 @@ class ForwardInputs:
     prompt_rows: list[tuple[Request, int]]
 
 
+logger = logging.getLogger(__name__)
+
+
+def graphs_supported(model: LlamaModel, k_cache: torch.Tensor, device: torch.device) -> bool:
+    """Graphs replay the Triton attention only: the torch path plans from host-side lengths."""
+    if device.type != "cuda" or not use_triton(device):
+        return False
+    a = model.arch
+    q = torch.empty(1, a.num_heads, a.head_dim, dtype=k_cache.dtype, device=device)
+    return triton_supports(q, k_cache)
+
+
 class ModelRunner:
     def __init__(
         self, model: LlamaModel, num_pages: int, page_size: int, device: torch.device, kv_dtype: torch.dtype
@@ -42,11 +57,41 @@ class ModelRunner:
         # GEMMs directly); the Triton kernels' page-major layout elsewhere. See kv_layout.py.
         head_major = not use_triton(device)
 
+        # One page past the pool that no request is given: the padding rows of a CUDA graph
+        # bucket write their K/V there (cuda_graphs.py).
+        self.scratch_page = num_pages
+
         def pool() -> torch.Tensor:
-            return allocate_pool(num_pages, page_size, a.num_kv_heads, a.head_dim, kv_dtype, device, head_major)
+            return allocate_pool(num_pages + 1, page_size, a.num_kv_heads, a.head_dim, kv_dtype, device, head_major)
 
         self.kv_caches = [(pool(), pool()) for _ in range(a.num_layers)]
         self.tokens_computed = 0  # total tokens run through the model (tests assert on it)
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, capture: bool = True) -> bool:
+        """Serve all-decode steps of up to ``max_batch`` rows through CUDA graphs (captured
+        now). ``capture=False`` stages the same padded steps but runs them eagerly (CPU tests).
+        A capture that fails leaves decoding eager, with a warning; returns whether graphs run."""
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.device,
+            max_batch=max_batch,
+            max_model_len=max_model_len,
+            page_size=self.page_size,
+            scratch_page=self.scratch_page,
+        )
+        if capture:
+            if not graphs_supported(self.model, self.kv_caches[0][0], self.device):
+                logger.info("CUDA graphs need the Triton attention kernels for this model: decode runs eagerly")
+                return False
+            try:
+                graphs.capture()
+            except Exception as e:  # noqa: BLE001 - an engine that decodes eagerly beats none
+                logger.warning("CUDA graph capture failed, decode runs eagerly: %s: %s", type(e).__name__, e)
+                return False
+        self.graphs = graphs
+        return True
 
     def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
         """Copy the K/V of the first n slots of page src into page dst, in every layer."""
@@ -125,4 +170,6 @@ class ModelRunner:
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits [num_sampling_rows, vocab] (fp32). On CUDA this returns before the GPU is done."""
         self.tokens_computed += int(inputs.input_ids.shape[0])
+        if self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta, inputs.prompt_rows):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)

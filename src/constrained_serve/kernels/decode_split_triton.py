@@ -16,7 +16,11 @@ def default_num_splits(meta: AttentionMetadata, num_kv_heads: int, target_progra
     """Splits for an all-decode batch, from host-side sizes only (never probes the device).
 
     Enough programs to fill a large GPU (target_programs), but no split shorter than 256 keys.
+    A CUDA graph fixes the count at capture (``meta.decode_splits``): the kernel sizes each
+    split from the device-side sequence lengths, and empty splits weigh nothing in the reduce.
     """
+    if meta.decode_splits is not None:
+        return meta.decode_splits
     if meta.num_decodes != meta.num_seqs or meta.num_seqs == 0:
         return 1
     programs = meta.num_seqs * num_kv_heads

@@ -287,13 +287,30 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices))
+
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final-norm hidden states of the ``logits_indices`` rows (what a CUDA graph
+        captures: the LM head runs outside it, so no bucket keeps a [batch, vocab] buffer)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.tables_for(positions, x.dtype)
         last = len(self.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             # The last layer carries on with the rows that sample only (in sampling order).
             x = layer(x, cos_sin, kv, meta, logits_indices if i == last else None)
-        x = self.norm(x)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of hidden states ``x``."""
         if self.packed_head is not None:
             return self.packed_head(x).float()
         return F.linear(x, self.lm_head_weight()).float()

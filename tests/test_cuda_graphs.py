@@ -1,0 +1,112 @@
+"""Decode steps through the CUDA-graph runner (cuda_graphs.py), staged and run eagerly on CPU:
+the padded buckets, the scratch page and the fixed split-KV count must give the tokens and
+logits of the plain forward. (Capture itself needs a GPU: benchmarks/gpu_correctness.py.)"""
+
+import pytest
+import torch
+
+from constrained_serve import SamplingParams
+from constrained_serve.cuda_graphs import batch_buckets, graph_splits
+
+PROMPTS = [
+    "The parcel was late",
+    "A short one",
+    "Write a list of colours: red, green,",
+    "Order 4412 arrived broken and the box was wet when it came to the door",
+    "Hello",
+]
+
+
+def test_buckets_cover_every_batch_size():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    for n in range(1, 300):
+        b = batch_buckets(300)
+        assert min(x for x in b if x >= n) - n < 16
+
+
+def test_graph_splits_fill_small_batches_and_stay_within_the_context():
+    assert graph_splits(1, 8, 8192) == 32  # one row: 8 programs would leave a GPU idle
+    assert graph_splits(256, 8, 8192) == 1
+    assert graph_splits(1, 8, 300) == 1  # a context that short is never split
+
+
+def _run(factory, stage: bool, **kw):
+    engine = factory(max_num_seqs=8, **kw)
+    if stage:
+        assert engine.core.runner.enable_decode_graphs(8, engine.max_model_len, capture=False)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    out = engine.generate(PROMPTS, params)
+    return engine, [r.token_ids for r in out]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_staged_decode_steps_give_the_plain_forward_tokens(tiny_engine_factory, monkeypatch, kernels):
+    monkeypatch.setenv("CONSTRAINED_SERVE_KERNELS", kernels)
+    _, plain = _run(tiny_engine_factory, stage=False)
+    engine, staged = _run(tiny_engine_factory, stage=True)
+    assert staged == plain
+    graphs = engine.core.runner.graphs
+    assert graphs.steps >= 20 and graphs.replays == 0  # decode steps went through the staging
+
+
+def test_staged_logits_equal_plain_logits_with_padding_and_long_contexts(tiny_engine_factory, monkeypatch):
+    """A 3-row decode step padded to bucket 4 (one scratch row), contexts over several pages,
+    under the Triton kernels with a split-KV count fixed as a graph would fix it."""
+    monkeypatch.setenv("CONSTRAINED_SERVE_KERNELS", "triton")
+    engine = tiny_engine_factory(max_num_seqs=4, page_size=16)
+    runner = engine.core.runner
+    assert runner.enable_decode_graphs(4, engine.max_model_len, capture=False)
+    graphs = runner.graphs
+    prompts = ["word " * 40, "another prompt " * 12, "x"]
+
+    # One decode step by hand, as the scheduler would build it, for three live requests.
+    from constrained_serve.batch import Batch, ScheduledChunk
+    from constrained_serve.request import Request
+
+    reqs = []
+    for i, p in enumerate(prompts):
+        ids = engine.tokenizer(p)["input_ids"]
+        r = Request(prompt_ids=ids, params=SamplingParams(max_tokens=4))
+        assert engine.kv.ensure_pages(r, len(ids) + 1)
+        reqs.append(r)
+    for r in reqs:  # compute the prompts' K/V first
+        runner.forward(runner.prepare(Batch([ScheduledChunk(r, r.num_prompt, sample=True)])))
+        r.num_computed = r.num_prompt
+        r.token_ids.append(5 + len(r.token_ids) % 7)
+    before = graphs.steps  # a one-token prompt is decode-shaped: it may have used them too
+    inputs = runner.prepare(Batch([ScheduledChunk(r, 1, sample=True) for r in reqs]))
+    assert graphs.fits(inputs.input_ids, inputs.meta, inputs.prompt_rows)
+    plain = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, inputs.logits_indices)
+    staged = runner.forward(inputs)
+    assert graphs.bucket_for(3) == 4 and graphs.steps == before + 1
+    torch.testing.assert_close(staged, plain, rtol=1e-4, atol=1e-4)
+    for r in reqs:
+        engine.kv.release(r, cache_tokens=False)
+
+
+def test_prefill_and_mixed_steps_never_use_the_graphs(tiny_engine_factory):
+    engine = tiny_engine_factory(max_num_seqs=8)
+    runner = engine.core.runner
+    runner.enable_decode_graphs(8, engine.max_model_len, capture=False)
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=1))  # one prefill step, no decode
+    assert runner.graphs.steps == 0
+
+
+def test_capture_refuses_a_cpu_engine(tiny_engine_factory):
+    engine = tiny_engine_factory(max_num_seqs=4)
+    # Not on CUDA: capture is skipped with a log line, and decode stays eager.
+    assert not engine.core.runner.enable_decode_graphs(4, engine.max_model_len)
+    assert engine.core.runner.graphs is None
+
+
+def test_cuda_graph_config_is_validated():
+    from constrained_serve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cuda_graph_max_batch"):
+        EngineConfig(cuda_graph_max_batch=0)
+    assert EngineConfig(max_num_seqs=64).graph_batch() == 64
+    assert EngineConfig(max_num_seqs=1000).graph_batch() == 512
+    assert EngineConfig(max_num_seqs=64, cuda_graph_max_batch=16).graph_batch() == 16
