@@ -67,7 +67,7 @@ def test_staged_logits_equal_plain_logits_with_padding_and_long_contexts(tiny_en
     from constrained_serve.request import Request
 
     reqs = []
-    for i, p in enumerate(prompts):
+    for p in prompts:
         ids = engine.tokenizer(p)["input_ids"]
         r = Request(prompt_ids=ids, params=SamplingParams(max_tokens=4))
         assert engine.kv.ensure_pages(r, len(ids) + 1)
