@@ -9,14 +9,18 @@
 #   benchmarks/gpu_check.sh               # everything
 #   benchmarks/gpu_check.sh --no-e2e      # kernels only
 #   benchmarks/gpu_check.sh --e2e-small   # e2e on the 1B shape only
+#   benchmarks/gpu_check.sh --quick       # the lent-GPU run, about 6 min: correctness, kernels, 1B e2e with
+#                                         # CUDA graphs on and off, structured extraction (gpu_structured.py)
 #   benchmarks/gpu_check.sh --cpu-smoke   # CPU, TRITON_INTERPRET=1, tiny sizes: checks this script
+# A machine without network first gets .whl/ and .gpu/tokenizer/ from benchmarks/gpu_prepare.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-SMOKE=0; E2E=all
+SMOKE=0; E2E=all; QUICK=0
 for a in "$@"; do
   case "$a" in
     --cpu-smoke) SMOKE=1 ;;
+    --quick) QUICK=1 ;;
     --no-e2e) E2E=none ;;
     --e2e-small) E2E=small ;;
     *) echo "unknown argument: $a" >&2; exit 2 ;;
@@ -31,6 +35,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
   export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The SmolLM2 tokenizer for the checks that build models: the default model's folder when it is
+# installed, else the copy gpu_prepare.sh makes.
+if [ -z "${CS_TOKENIZER_DIR:-}" ] && [ -f .gpu/tokenizer/tokenizer.json ]; then export CS_TOKENIZER_DIR=$PWD/.gpu/tokenizer; fi
 export OUT=${OUT:-benchmarks/results/out}
 mkdir -p "$OUT"
 export TRITON_DEFAULT_FP_FUSION=1
@@ -48,6 +55,9 @@ if [ "$SMOKE" = 1 ]; then
   TRITON_INTERPRET=0 run "$PY" benchmarks/compile_check.py --frontend-only --arch 90 --json "$OUT/compile_check.json"
   step "gpu_correctness.py on a tiny config (CPU): engine vs HF greedy, chunked prefill, preemption, prefix cache, grammars"
   TRITON_INTERPRET=0 run "$PY" benchmarks/gpu_correctness.py --config tiny-llama --device cpu --dtype float32
+  step "gpu_structured.py on a tiny config (CPU)"
+  TRITON_INTERPRET=0 run "$PY" benchmarks/gpu_structured.py --config tiny-llama --device cpu --dtype float32 \
+    --num-requests 4 --max-tokens 32 --repeats 1 --skip-hf
   step "gpu_e2e.py on a tiny config (CPU, torch kernels)"
   if "$PY" -c "from constrained_serve import Engine" 2>/dev/null; then
     TRITON_INTERPRET=0 run "$PY" benchmarks/gpu_e2e.py --config tiny-llama --num-requests 6 --prompt-len 8 \
@@ -66,6 +76,25 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name(0))" || exit 1
 ARCH=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(a * 10 + b)")
 
+if [ "$QUICK" = 1 ]; then
+  # Each step has a time limit, so one slow step cannot eat a 15-minute lease.
+  step "compile check sm_$ARCH"
+  run timeout 90 "$PY" benchmarks/compile_check.py --arch "$ARCH" --json "$OUT/compile_check.json"
+  step "correctness: engine (CUDA graphs on, and off for comparison) vs HF greedy, 1B shape, fp32 then bf16"
+  run timeout 150 "$PY" benchmarks/gpu_correctness.py --config llama-3.2-1b --dtype float32 --num-requests 16
+  run timeout 90 "$PY" benchmarks/gpu_correctness.py --config llama-3.2-1b --dtype bfloat16 --num-requests 16 --skip-grammar
+  step "kernels vs references, timings"
+  run timeout 90 "$PY" benchmarks/gpu_kernels.py --repeats 20 --warmup 5
+  step "end to end, 1B shape, 256 x 128/128: CUDA graphs on (vs HF), then off"
+  run timeout 120 "$PY" benchmarks/gpu_e2e.py --config llama-3.2-1b
+  run timeout 60 "$PY" benchmarks/gpu_e2e.py --config llama-3.2-1b --no-cuda-graphs --skip-hf
+  step "structured extraction, SmolLM2-1.7B shape, 256 requests"
+  run timeout 150 "$PY" benchmarks/gpu_structured.py --repeats 1
+  echo; ls -l "$OUT"
+  [ $status = 0 ] && echo "gpu check --quick: OK" || echo "gpu check --quick: FAILED"
+  exit $status
+fi
+
 step "compile check sm_$ARCH (registers, spills)"
 run "$PY" benchmarks/compile_check.py --arch "$ARCH" --json "$OUT/compile_check.json"
 
@@ -82,7 +111,11 @@ if [ "$E2E" != none ]; then
   for c in $configs; do
     step "end to end: $c, 256 requests"
     run "$PY" benchmarks/gpu_e2e.py --config "$c" --num-requests 256 --prompt-len 128 --output-len 128
+    run "$PY" benchmarks/gpu_e2e.py --config "$c" --num-requests 256 --prompt-len 128 --output-len 128 \
+      --no-cuda-graphs --skip-hf
   done
+  step "structured extraction, SmolLM2-1.7B shape, 256 requests"
+  run "$PY" benchmarks/gpu_structured.py --repeats 3
 fi
 
 echo; ls -l "$OUT"

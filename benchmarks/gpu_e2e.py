@@ -101,6 +101,32 @@ def copy_engine_weights_to_hf(engine_model, hf_model, cfg: dict) -> int:
     return len(done)
 
 
+# HBM bandwidth by GPU name (TB/s), for the per-step bound; --hbm-tbps overrides.
+HBM_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
+
+
+def bandwidth_bound(engine, args: argparse.Namespace, ms_per_step: float) -> dict:
+    """A decode step reads every weight once and each row's KV: at the GPU's HBM bandwidth,
+    that is the fastest a step can be. Reported against the measured mean step (which also
+    counts the prefill steps, so the share is a lower bound)."""
+    import torch
+
+    from constrained_serve.runner import ModelRunner
+
+    name = torch.cuda.get_device_name(0)
+    tbps = args.hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in name), None)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    per_token = ModelRunner.kv_bytes_per_token(engine.model, engine.dtype)
+    mean_context = args.prompt_len + args.output_len / 2
+    kv = min(args.num_requests, args.max_num_seqs) * mean_context * per_token
+    out = {"weight_gb": round(weights / 1e9, 3), "kv_gb_mean_step": round(kv / 1e9, 3), "hbm_tbps": tbps}
+    if tbps:
+        bound_ms = (weights + kv) / (tbps * 1e12) * 1e3
+        out["bound_ms"] = round(bound_ms, 3)
+        out["share_of_bound"] = round(bound_ms / ms_per_step, 3)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
@@ -135,7 +161,9 @@ def run(args: argparse.Namespace) -> dict:
             device=device,
             max_num_seqs=args.max_num_seqs,
             kv_cache_tokens=kv_tokens,
+            cuda_graphs=not args.no_cuda_graphs,
         )
+        report["cuda_graphs"] = engine.core.runner.graphs is not None
         report["engine_load_s"] = round(time.perf_counter() - t0, 2)
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
 
@@ -145,17 +173,23 @@ def run(args: argparse.Namespace) -> dict:
 
         engine.generate(prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True))
         sync()
+        steps0 = engine.core.num_steps
         t0 = time.perf_counter()
         results = engine.generate(prompts, params)
         sync()
         dt = time.perf_counter() - t0
         lens = [len(r.token_ids) for r in results]
+        steps = engine.core.num_steps - steps0
         report["engine"] = {
             "seconds": round(dt, 3),
             "output_tokens": sum(lens),
             "output_tok_per_s": round(sum(lens) / dt, 1),
             "all_full_length": all(n == args.output_len for n in lens),
+            "steps": steps,
+            "ms_per_step": round(1e3 * dt / max(steps, 1), 3),
         }
+        if device == "cuda":
+            report["engine"]["bandwidth_bound"] = bandwidth_bound(engine, args, report["engine"]["ms_per_step"])
         print("ENGINE " + json.dumps(report["engine"]), flush=True)
 
         if not args.skip_hf:
@@ -240,6 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default: all requests at once")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (Engine(cuda_graphs=False))")
+    ap.add_argument("--hbm-tbps", type=float, default=None, help="HBM bandwidth for the step bound (default: by name)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the report here")
     return ap.parse_args(argv)
@@ -255,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        tag = f"{args.config}-{report['kernels']}"
+        tag = f"{args.config}-{report['kernels']}" + ("-eager" if args.no_cuda_graphs else "")
         (Path(os.environ["OUT"]) / f"gpu_e2e-{tag}.json").write_text(text)
     return 0 if report["engine"]["all_full_length"] else 1
 
