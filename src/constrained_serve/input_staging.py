@@ -1,0 +1,55 @@
+"""A step's integer inputs reach the device in two copies: one int64 and one int32 array.
+
+The runner's ``prepare`` builds a step's inputs as Python lists (token ids, positions, KV
+slots, logits rows; query starts, context lengths, block tables). One tensor per list would
+cost a host allocation and a host-to-device copy each, and a copy from pageable memory makes
+the CPU wait for it. Instead each dtype's lists go, back to back, into one persistent host
+buffer (pinned on CUDA, so the copy is asynchronous), then into one persistent device buffer;
+the step's tensors are views of it. On CPU the host buffer is the device buffer: no copy.
+
+Reusing the buffers is safe because a step ends by reading its sampled tokens on the host,
+which waits for everything queued before, the previous step's copy included.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+
+class _Staging:
+    """One dtype's host (pinned on CUDA) and device buffers, grown on demand."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, capacity: int = 4096) -> None:
+        self.dtype = dtype
+        self.device = device
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        pin = self.device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=self.dtype, pin_memory=pin)
+        self.dev = (
+            self.host if self.device.type == "cpu" else torch.empty(capacity, dtype=self.dtype, device=self.device)
+        )
+
+    def upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
+        """Device views of ``parts`` (lists of ints), in one host-to-device copy."""
+        sizes = [len(p) for p in parts]
+        total = sum(sizes)
+        if total > self.host.numel():
+            self._alloc(max(total, 2 * self.host.numel()))
+        flat = list(itertools.chain.from_iterable(parts))
+        # torch.tensor then copy_: filling the pinned buffer from a list in place has no fast path.
+        self.host[:total].copy_(torch.tensor(flat, dtype=self.dtype))
+        if self.dev is not self.host:
+            self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        return list(self.dev[:total].split(sizes))
+
+
+class InputStaging:
+    """The int64 and int32 staging buffers of one runner."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.i64 = _Staging(torch.int64, device)
+        self.i32 = _Staging(torch.int32, device)
