@@ -63,6 +63,28 @@ def _exponential_noise(seeds: list[int], vocab: int, device: torch.device) -> to
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
+def greedy_masked(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """argmax over each row's allowed tokens, masking only the rows that need it.
+
+    A row whose unmasked argmax is allowed has that token as its masked argmax too (ties
+    included: no earlier token has the same value, or argmax would have returned it). A model
+    that follows its grammar mostly wants an allowed token, so most rows skip the copy of
+    their logits and the mask, which on CPU cost more than the rest of the step's sampling
+    (~12 MB of each per 64 rows of a 49k vocabulary)."""
+    tokens = logits.argmax(dim=-1)
+    if bitmask is None:
+        return tokens
+    words = bitmask.gather(1, (tokens >> 5).unsqueeze(1)).squeeze(1)
+    allowed = ((words >> (tokens & 31).to(words.dtype)) & 1).bool()
+    if bool(allowed.all()):
+        return tokens
+    bad = (~allowed).nonzero().squeeze(1)
+    rows = logits.index_select(0, bad).float()
+    apply_bitmask_torch(rows, bitmask.index_select(0, bad))
+    tokens[bad] = rows.argmax(dim=-1)
+    return tokens
+
+
 def sample_torch(
     logits: torch.Tensor,
     bitmask: torch.Tensor | None,
@@ -79,6 +101,8 @@ def sample_torch(
     Greedy where temperature == 0. Otherwise logits / T, then top-k, top-p, min-p filtering,
     then a Gumbel-max style draw: argmax(p / E) with E ~ Exp(1) is a draw from p.
     """
+    if all_greedy:
+        return greedy_masked(logits, bitmask)
     # Always a copy: the mask is applied in place and must not leak into the caller's logits.
     logits = logits.to(torch.float32, copy=True)
     if bitmask is not None:
