@@ -2,6 +2,7 @@
 so the kernel tests run on CPU through the interpreter."""
 
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -36,6 +37,18 @@ def default_engine(default_model_dir):
     from constrained_serve import Engine
 
     return Engine(max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def engine(default_engine):
+    """The session's default-model Engine, under the name the CLI, display, docs and grammars
+    tests use: loading the model is the slowest part of these tests, so it happens once."""
+    return default_engine
+
+
+@pytest.fixture(scope="session")
+def python() -> str:
+    return sys.executable
 
 
 def _save_tiny(tmp_path_factory, name, config, tokenizer):

@@ -1,4 +1,4 @@
-"""Python types the grammar tests turn into JSON Schemas (shared by test_spec and test_backends)."""
+"""Python types the grammar tests turn into JSON Schemas (shared by test_spec and test_manager)."""
 
 from __future__ import annotations
 

@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from grammar_test_types import Person, Point  # noqa: E402
-from pydantic import BaseModel, ConfigDict  # noqa: E402
+from pydantic import BaseModel, ConfigDict
 
 from constrained_serve.errors import GrammarError, OutputValidationError
 from constrained_serve.grammar import make_output_spec, parse_output
+
+from .grammar_test_types import Person, Point
 
 GRAMMARS = Path(__file__).resolve().parents[2] / "grammars"
 

@@ -1,6 +1,6 @@
 """The engine with grammars that run away, fail or break: the bad request fails alone, the
 rest of the batch finishes, Ctrl-C works, and the pool stays consistent after every step.
-(The grammar-level mechanics are in tests/grammar/test_isolation.py.)"""
+(The grammar-level mechanics are in tests/grammar/test_worker.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from constrained_serve import SamplingParams
 from constrained_serve.grammar.host import FaultPlan
 
-# Compiles; whichever token comes first, llguidance 1.9.1 then spins (see test_isolation.py).
+# Compiles; whichever token comes first, llguidance 1.9.1 then spins (see tests/grammar/test_worker.py).
 HANG_AFTER_FIRST = 'start: c y\nc: "q" | "x"\ny: "{" A B "}"\nA: /a+/\nB: /a/\n'
 HANG_AFTER_X = 'start: "q" | "x" y\ny: "{" A B "}"\nA: /a+/\nB: /a/\n'
 PERSON = {

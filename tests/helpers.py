@@ -1,14 +1,12 @@
-"""Shared fixtures for the user-surface tests (CLI, examples, notebook, grammars, display)."""
+"""Paths of the repository and the environment of child processes, for the tests that run
+the CLI, the examples, the notebook and the docs' code blocks."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 GRAMMARS = ROOT / "grammars"
 
@@ -20,15 +18,3 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
-
-
-@pytest.fixture(scope="session")
-def engine(default_engine):
-    """The session's default-model Engine (tests/conftest.py), shared with the engine tests:
-    loading the model is the slowest part of these tests, so it happens once."""
-    return default_engine
-
-
-@pytest.fixture(scope="session")
-def python() -> str:
-    return sys.executable

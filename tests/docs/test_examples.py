@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from .conftest import EXAMPLES, subprocess_env
+from ..helpers import EXAMPLES, subprocess_env
 
 pytestmark = pytest.mark.slow
 

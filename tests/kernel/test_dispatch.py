@@ -1,5 +1,6 @@
-"""The interpreter never runs the real compiler: lower every kernel for sm_90 through the
-Triton frontend (no GPU needed), and check the dispatcher's choices."""
+"""The dispatcher's choices (Triton or the torch reference, and without Triton at all), and,
+since the interpreter never runs the real compiler, every kernel it dispatches to lowered for
+sm_90 through the Triton frontend (no GPU needed)."""
 
 from __future__ import annotations
 

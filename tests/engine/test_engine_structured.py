@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from constrained_serve import GrammarError, OutputError, OutputValidationError, SamplingParams
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "jsonschemabench"
-BASELINE = Path(__file__).parent / "grammar" / "baseline_jsonschemabench.json"
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench"
+BASELINE = Path(__file__).resolve().parents[1] / "grammar" / "baseline_jsonschemabench.json"
 
 
 def pick_schemas(n=40, max_chars=600):

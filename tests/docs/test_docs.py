@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
+from ..helpers import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}

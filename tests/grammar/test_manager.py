@@ -1,4 +1,5 @@
-"""Both grammar engines through the common interface, with the real SmolLM2 tokenizer."""
+"""GrammarManager with both grammar engines through their common interface (base.py), with the
+real SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ import torch
 from constrained_serve.errors import GrammarError, OutputValidationError
 from constrained_serve.grammar import GrammarManager, make_output_spec, parse_output
 
+from .grammar_test_types import Person, Point
+
 MODEL_VOCAB = 49152  # SmolLM2-135M logits width (as in conftest)
 
 EOS = 2
-
-
-from grammar_test_types import Person, Point  # noqa: E402
 
 PERSON = {
     "type": "object",

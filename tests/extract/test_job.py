@@ -1,6 +1,6 @@
 """The JSONL job logic of ``constrained-serve extract``, without a model: input parsing,
 error rows, resume scan and repair, output locking, in-order merging of early error rows
-with engine results. The same paths run on the real model in test_cli_extract.py."""
+with engine results. The same paths run on the real model in tests/cli/test_extract_command.py."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ except ImportError:  # make setup installs it; a missing Ray is a failure, not a
 
 from constrained_serve.cli import main  # noqa: E402
 
-from .conftest import EXAMPLES, subprocess_env  # noqa: E402
+from ..helpers import EXAMPLES, subprocess_env  # noqa: E402
 
 REPLICA_CLASS = "MapWorker(MapBatches(ExtractReplica))"
 SCHEMA = str(EXAMPLES / "extract.schema.json")

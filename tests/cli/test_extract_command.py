@@ -14,7 +14,7 @@ import pytest
 
 from constrained_serve.cli import main
 
-from .conftest import EXAMPLES, subprocess_env
+from ..helpers import EXAMPLES, subprocess_env
 
 SCHEMA = str(EXAMPLES / "extract.schema.json")
 TICKETS = [json.loads(line) for line in open(EXAMPLES / "tickets.jsonl")]
@@ -359,7 +359,7 @@ def test_info(capsys) -> None:
     assert info["grammar_backends"]["llguidance"] and info["device"]["auto"] in ("cpu", "cuda")
 
 
-# llguidance 1.9.1 spins for ever after "x" here (tests/grammar/test_isolation.py); "q" or
+# llguidance 1.9.1 spins for ever after "x" here (tests/grammar/test_worker.py); "q" or
 # "r" ends the output.
 HANG_AFTER_X = 'start: "q" | "r" | "x" y\ny: "{" A B "}"\nA: /a+/\nB: /a/\n'
 

@@ -10,7 +10,7 @@ import pytest
 
 from constrained_serve import SamplingParams
 
-from .conftest import GRAMMARS
+from ..helpers import GRAMMARS
 
 # Strings each grammar must accept (documentation as much as test data).
 EXAMPLES = {

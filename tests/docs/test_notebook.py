@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from .conftest import EXAMPLES, subprocess_env
+from ..helpers import EXAMPLES, subprocess_env
 
 pytestmark = pytest.mark.slow
 

@@ -289,7 +289,7 @@ def test_gpu_correctness_script_passes_on_cpu():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import gpu_correctness
 
     assert (
