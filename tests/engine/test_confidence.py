@@ -1,8 +1,8 @@
-"""Per-field confidence (checked against HF log-probs) and partial objects while streaming."""
+"""Per-field confidence (confidence.py): checked against HF log-probs on the default model,
+and shown by extract --confidence and the HTML view of a Result."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from typing import Literal
@@ -11,9 +11,8 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from constrained_serve import AsyncEngine, SamplingParams
-from constrained_serve.errors import OutputError
-from constrained_serve.json_spans import complete_members, scan
+from constrained_serve import SamplingParams
+from constrained_serve.json_spans import scan
 
 
 class Person(BaseModel):
@@ -32,24 +31,6 @@ BOUNDED = {
         "tag": {"enum": ["red", "green"]},
     },
 }
-TEXT = '{"name":"Zoë \\"Z\\"","age":31,"tags":["a",{"b":[1,2.5e3,null]}],"ok":false,"x y":{}}'
-
-
-def test_spans_paths_and_completeness_at_every_prefix():
-    spans, value, complete = scan(TEXT)
-    assert complete and value == json.loads(TEXT)
-    by_path = {s.path: TEXT[s.start : s.end] for s in spans}
-    assert by_path["$.name"] == '"Zoë \\"Z\\""' and by_path["$.tags[1].b[1]"] == "2.5e3"
-    assert by_path['$["x y"]'] == "{}" and by_path["$"] == TEXT
-    for k in range(len(TEXT)):
-        spans, value, complete = scan(TEXT[:k])
-        assert not complete
-        members = complete_members(TEXT[:k]) or {}
-        full = json.loads(TEXT)
-        # what is complete is exactly as in the full value, and never a number still growing
-        assert all(full[key] == v for key, v in members.items()), (k, members)
-        if TEXT[:k].endswith('"age":3'):
-            assert "age" not in members
 
 
 @pytest.mark.slow
@@ -78,37 +59,6 @@ def test_field_confidence_matches_hf_logprobs(default_engine):
         want = math.exp(sum(sampled))
         assert math.isclose(r.field_confidence[span.path], want, rel_tol=2e-3), (span.path, want)
     assert r.usage.forced_tokens > 0  # forced tokens (keys, punctuation) counted as certain
-
-
-def test_partial_objects_sync_and_async(tiny_engine_factory):
-    eng = tiny_engine_factory()
-    p = SamplingParams(max_tokens=40)
-    objs = list(eng.stream("A thing: ", p, schema=BOUNDED, partial=True))
-    assert [len(o) for o in objs[:-1]] == sorted(len(o) for o in objs[:-1])  # fields only ever added
-    final = objs[-1]
-    assert final == json.loads(eng.generate(["A thing: "], p, schema=BOUNDED)[0].text)
-    assert all(final[k] == v for o in objs for k, v in o.items())  # every partial agrees with the end
-
-    async def main():
-        async with AsyncEngine(eng) as ae:
-            return [o async for o in ae.stream("A thing: ", p, schema=BOUNDED, partial=True)]
-
-    assert asyncio.run(main()) == objs
-    with pytest.raises(OutputError, match="not a complete valid object"):
-        list(eng.stream("A thing: ", SamplingParams(max_tokens=3), schema=BOUNDED, partial=True))
-    with pytest.raises(ValueError, match="needs a JSON output spec"):
-        eng.stream("A thing: ", p, regex="[a-z]+", partial=True)
-
-
-@pytest.mark.slow
-def test_partial_pydantic_objects_on_the_default_model(default_engine):
-    msgs = [{"role": "user", "content": "Invent a person as JSON with name, age and city."}]
-    objs = list(default_engine.stream(msgs, SamplingParams(max_tokens=60), schema=Person, partial=True))
-    assert isinstance(objs[-1], Person) and objs[-1].model_fields_set == {"name", "age", "city"}
-    sets = [o.model_fields_set for o in objs[:-1]]
-    assert sets[0] == {"name"} and all(a < b for a, b in zip(sets, sets[1:]))
-    with pytest.raises(AttributeError):
-        _ = objs[0].age  # not written yet: absent
 
 
 def test_cli_confidence_column_and_display(tiny_engine_factory, tmp_path, capsys):

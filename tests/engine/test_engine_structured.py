@@ -1,10 +1,11 @@
-"""Structured generation end to end on the real default model: every completed output
-matches its spec (jsonschema validation, regex fullmatch, Pydantic parsing)."""
+"""Structured generation through the engine, end to end on the real default model and on the
+tiny one: every completed output matches its spec (jsonschema validation, regex fullmatch,
+Pydantic parsing) and a truncated or refused one says so; a dead end or a failing backend
+aborts its request alone; overlapped or synchronous loops, one or two mask workers,
+fast-forward on or off agree; a request waits while its grammar compiles."""
 
-import datetime
 import json
 import re
-import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Literal
@@ -12,7 +13,7 @@ from typing import Literal
 import jsonschema
 import pydantic
 import pytest
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, field_validator
 
 from constrained_serve import GrammarError, OutputError, OutputValidationError, SamplingParams
 
@@ -140,59 +141,6 @@ def test_valid_json_refused_by_the_pydantic_type_keeps_its_json(tiny_engine_fact
     assert isinstance(e.value.__cause__, pydantic.ValidationError)
 
 
-class Stamp(BaseModel):
-    model_config = ConfigDict(strict=True)
-    when: datetime.datetime
-    ref: uuid.UUID | str
-
-
-def test_parsed_is_what_the_type_reads_from_json():
-    """parsed is TypeAdapter.validate_json of the text: a strict model takes ISO datetimes and
-    UUIDs as JSON strings (Python-mode validation refused every valid output), and a union
-    "UUID | str" resolves to the UUID (Python mode picked the str)."""
-    from constrained_serve.grammar import make_output_spec, parse_output
-
-    text = '{"when":"2024-01-01T09:00:00Z","ref":"123e4567-e89b-12d3-a456-426614174000"}'
-    value, parsed = parse_output(make_output_spec(schema=Stamp), text)
-    assert parsed == Stamp.model_validate_json(text) and isinstance(parsed.ref, uuid.UUID)
-    assert value == json.loads(text)
-
-
-def test_a_per_prompt_spec_the_backend_refuses_raises_grammar_error(tiny_engine_factory):
-    eng = tiny_engine_factory()
-    rs = eng.generate(["x", "y"], SamplingParams(max_tokens=4), schema=[Refused, {"not": {"type": "string"}}])
-    assert rs[0].error_type != "GrammarError" and rs[1].error_type == "GrammarError"
-    with pytest.raises(GrammarError, match="request 1"):
-        eng.generate(
-            ["x", "y"],
-            SamplingParams(max_tokens=4),
-            schema=[{"enum": [1]}, {"not": {"type": "string"}}],
-            raise_on_error=True,
-        )
-
-
-def test_bad_shared_schema_fails_at_submit_before_model_work(tiny_engine_factory):
-    eng = tiny_engine_factory()
-    before = eng.core.runner.tokens_computed
-    with pytest.raises(GrammarError):
-        eng.generate(["a", "b"], SamplingParams(max_tokens=4), schema={"type": "object", "not": {"type": "string"}})
-    with pytest.raises(GrammarError):
-        eng.generate(["a"], SamplingParams(max_tokens=4), regex="(unclosed")
-    assert eng.core.runner.tokens_computed == before
-
-
-def test_bad_per_prompt_spec_fails_alone(tiny_engine_factory):
-    eng = tiny_engine_factory()
-    good = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    bad = {"type": "object", "not": {"type": "string"}}
-    rs = eng.generate(["x", "y", "z"], SamplingParams(max_tokens=30), schema=[good, bad, None])
-    assert rs[1].finish_reason == "abort" and rs[1].error_type == "GrammarError" and "not" in rs[1].error
-    assert rs[0].error is None or rs[0].error_type == "truncated"
-    if rs[0].finish_reason == "stop":
-        jsonschema.validate(rs[0].json, good)
-    assert rs[2].error is None
-
-
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_dead_end_in_a_grammar_aborts_that_request_with_the_reason(tiny_engine_factory, backend):
     # "a" is forced, then the rule b matches nothing: the mask allows only EOS, which the
@@ -235,17 +183,6 @@ def test_truncated_complete_match_says_it_may_be_cut(tiny_engine_factory):
     [r] = eng.generate(["x"], SamplingParams(max_tokens=3), regex="[a-z ]+")
     assert r.finish_reason == "length" and r.parsed is None and r.error_type == "truncated"
     assert "complete regex match but may be cut short" in r.error
-
-
-def test_per_prompt_spec_list_of_the_wrong_length_is_named(tiny_engine_factory):
-    eng = tiny_engine_factory()
-    p = SamplingParams(max_tokens=3)
-    with pytest.raises(GrammarError, match="one spec per prompt; got 1 for 2 prompts"):
-        eng.generate(["x", "y"], p, regex=["a"])
-    with pytest.raises(GrammarError, match="got 3 for 2 prompts"):
-        eng.generate(["x", "y"], p, choices=[["a"], ["b"], ["c"]])
-    assert [r.text for r in eng.generate(["x", "y"], p, choices=["yes", "no"])] != []  # one spec for all
-    assert eng.generate([], p, regex=[]) == []
 
 
 def test_overlapped_and_synchronous_loops_give_identical_tokens(tiny_engine_factory):

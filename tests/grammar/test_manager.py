@@ -1,12 +1,12 @@
-"""GrammarManager with both grammar engines through their common interface (base.py), with the
-real SmolLM2 tokenizer."""
+"""GrammarManager (manager.py) with both grammar engines through their common interface
+(base.py), with the real SmolLM2 tokenizer: matchers, masks, forced tokens, rollback, the
+compile cache and bounds, what each backend refuses, and Lark as both backends read it."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
 import logging
-import time
 
 import pytest
 import torch
@@ -268,31 +268,6 @@ def test_strict_refuses_overlapping_one_of(manager, backend, schema):
     assert not manager.compile(make_output_spec(schema=exact), backend).warnings
 
 
-def _discriminated_union(second_kind: str, typed: bool = True) -> dict:
-    def branch(kind: str, field: str) -> dict:
-        b = {
-            "properties": {"kind": {"const": kind}, field: {"type": "integer"}},
-            "required": ["kind", field],
-            "additionalProperties": False,
-        }
-        return {"type": "object", **b} if typed else b
-
-    return {
-        "$defs": {"Cat": branch("cat", "lives"), "Dog": branch(second_kind, "good")},
-        "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
-    }
-
-
-def test_discriminated_one_of_is_exact_for_the_xgrammar_check():
-    # Pydantic's discriminated unions: object branches told apart by a required constant.
-    from constrained_serve.grammar.xgrammar import unsupported_schema_features
-
-    assert unsupported_schema_features(_discriminated_union("dog")) == []
-    # The same constant twice, or branches that are not typed objects, may overlap.
-    assert unsupported_schema_features(_discriminated_union("cat")) == ["#/oneOf (treated as anyOf)"]
-    assert unsupported_schema_features(_discriminated_union("dog", typed=False)) == ["#/oneOf (treated as anyOf)"]
-
-
 def test_pydantic_discriminated_union_compiles_in_both(manager, backend, tokenizer):
     from typing import Annotated, Literal
 
@@ -370,19 +345,6 @@ def test_lark_regex_alternations_read_longest_match(manager, backend, grammar, t
         assert parse_output(spec, text) == (None, text)
 
 
-def test_lark_earley_check_is_time_bounded(caplog):
-    # No LALR parser (a reduce/reduce conflict) and an ambiguous grammar: lark's Earley
-    # parser took 0.3 s on 64 characters and ~n^3.5 beyond. It stops at its time bound
-    # and the output goes unchecked, rather than stalling the batch for seconds.
-    spec = make_output_spec(grammar='start: e\ne: e e | A | b\nb: A\nA: "a"\n')
-    t0 = time.perf_counter()
-    with caplog.at_level(logging.DEBUG, logger="constrained_serve.grammar.output_check"):
-        assert parse_output(spec, "a" * 200) == (None, "a" * 200)
-    assert time.perf_counter() - t0 < 2 and "left unchecked" in caplog.text
-    with pytest.raises(OutputValidationError):  # a short refusal still comes through
-        parse_output(spec, "ab")
-
-
 # The README's greedy-terminal examples: (grammar, text xgrammar accepts and lark refuses,
 # the same grammar written so that its terminal cannot swallow what follows, a text all take)
 GREEDY_TERMINALS = [
@@ -431,39 +393,6 @@ def test_unknown_backend(manager):
         manager.compile(make_output_spec(regex="a"), "outlines")
 
 
-# Schemas whose keyword xgrammar (0.2.9) drops, with a text it then accepts that the schema
-# refuses. strict=False must show the approximation is real: if xgrammar ever enforces one,
-# this fails and the check can go.
-XGRAMMAR_DROPS = [
-    ({"type": "object", "required": ["zz"]}, "{}"),  # a required name not in properties
-    ({"type": "object", "properties": {"o": {"type": "object", "required": ["k"]}}, "required": ["o"]}, '{"o":{}}'),
-    ({"anyOf": [{"type": "number"}, {"type": "null"}], "minimum": 0}, "-1"),
-    # patternProperties next to properties is ignored (JSONSchemaBench wp_91 accepted "k":-2)
-    (
-        {
-            "type": "object",
-            "properties": {"b": {"type": "string"}},
-            "patternProperties": {".*": {"type": "string"}},
-            "required": ["b"],
-        },
-        '{"b":"a","k":-2}',
-    ),
-]
-
-
-@pytest.mark.parametrize("schema, text", XGRAMMAR_DROPS)
-def test_xgrammar_strict_refuses_keywords_it_would_drop(manager, schema, text):
-    import json
-
-    import jsonschema
-
-    with pytest.raises(GrammarError, match="strict=True"):
-        manager.compile(make_output_spec(schema=schema), "xgrammar")
-    loose = manager.compile(make_output_spec(schema=schema, strict=False), "xgrammar")
-    assert manager.matches(loose, text)
-    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
-
-
 @pytest.mark.parametrize(
     "pattern, yes, no",
     [
@@ -487,110 +416,6 @@ def test_schema_patterns_read_w_and_d_as_ecma_262_in_both(manager, backend, patt
         assert parse_output(spec, json.dumps(text, ensure_ascii=False))[0] == text
     for text in no:
         assert not manager.matches(compiled, json.dumps(text)), (pattern, text)
-
-
-@pytest.mark.parametrize(
-    "schema",
-    [
-        {"type": "string", "enum": ["abc", "xyz"], "minLength": 3},  # every enum value obeys
-        {"type": "array", "items": {"type": "integer"}, "required": ["0"]},  # required only binds objects
-        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-    ],
-)
-def test_xgrammar_strict_keeps_exact_schemas(manager, schema):
-    assert not manager.compile(make_output_spec(schema=schema), "xgrammar").warnings
-
-
-def test_xgrammar_regex_means_what_python_means(manager):
-    from constrained_serve.grammar.xgrammar_gaps import xgrammar_regex
-
-    # "." excludes the newline (xgrammar's own "." does not); classes and escapes are kept.
-    assert xgrammar_regex(r"^a.c[.]\.[]x.][^].]$") == r"^a[^\n]c[.]\.[]x.][^].]$"
-    c = manager.compile(make_output_spec(regex="a.c"), "xgrammar")
-    assert manager.matches(c, "abc") and not manager.matches(c, "a\nc")
-    # Anchors at the edges of the text are exact (xgrammar ignores them); \A and \Z, which it
-    # read as letters, become ^ and $.
-    for rx, yes, no in (
-        (r"\Aab\Z", "ab", "AabZ"),
-        ("^a$|^b$", "b", "ab"),
-        ("(^a|^b)c", "bc", "c"),
-        (r"[\^x]a", "^a", "1a"),
-        (r"[\^]a", "^a", "1a"),
-        ("(?:^x)?y{1,3}", "xyy", "xxy"),
-    ):
-        c = manager.compile(make_output_spec(regex=rx), "xgrammar")
-        assert manager.matches(c, yes) and not manager.matches(c, no), rx
-    # An anchor inside the text (a^b matched "ab"), \G and inline flags are refused; so are
-    # \W, \D and negated classes with \w/\d, which xgrammar reads as ASCII complements ("é").
-    for rx in (
-        "a^b",
-        "a$b",
-        "(a$|b)c",
-        r"a\G",
-        "(?s:a.b)",
-        "(^a)+",
-        "(?:^a|b)*",
-        r"\W",
-        r"a\D+",
-        r"[^\w]",
-        r"[x\W]",
-        r"[^a\d]",
-    ):
-        with pytest.raises(GrammarError, match="as Python reads it"):
-            manager.compile(make_output_spec(regex=rx), "xgrammar")
-
-
-@pytest.mark.parametrize(
-    "rx, text",
-    [
-        (r"\W+", "é"),
-        (r"a\D", "a٣"),
-        (r"[^\w]", "é"),
-        ("a^b", "ab"),
-        ("(^a)+", "aa"),
-        ("(a$|b)c", "ac"),
-    ],
-)
-def test_xgrammar_strict_false_accepts_its_looser_regex_reading(manager, caplog, rx, text):
-    """What xgrammar reads only more loosely than Python (ASCII \\W; anchors it ignores) is an
-    error under strict=True and, under strict=False, compiles with a warning, as a schema
-    keyword it drops does. The text shows the approximation is real: Python refuses it."""
-    import re
-
-    with pytest.raises(GrammarError, match="strict=False accepts"):
-        manager.compile(make_output_spec(regex=rx), "xgrammar")
-    with caplog.at_level(logging.WARNING, logger="constrained_serve.grammar.xgrammar"):
-        loose = manager.compile(make_output_spec(regex=rx, strict=False), "xgrammar")
-    assert loose.warnings and "xgrammar approximates regex spec" in caplog.text
-    assert manager.matches(loose, text) and re.fullmatch(rx, text) is None
-
-
-@pytest.mark.parametrize("rx", [r"a\G", "(?s:a.b)", r"[\^-x]"])
-def test_xgrammar_refuses_regexes_it_would_read_otherwise_even_when_not_strict(manager, rx):
-    with pytest.raises(GrammarError, match="as Python reads it"):
-        manager.compile(make_output_spec(regex=rx, strict=False), "xgrammar")
-
-
-@pytest.mark.parametrize(
-    "grammar, text, other",
-    [
-        ('root ::= "\\x41B"', "AB", "Л"),  # \x takes exactly two hex digits (xgrammar read "\x41B" as U+041B)
-        ('root ::= "caf\\u00e9" [\\u0041-\\u005A]', "caféQ", "cafeQ"),  # \u, which llguidance refused
-        ('root ::= "\\U0001F600" [\\x5D\\x2D]', "😀-", "😀x"),
-        ('root ::= "\\x22" [^\\x00-\\x1F"]+ "\\x22"  # a comment with "\\x41B"', '"ok"', '"o"k"'),
-        ("root ::= [\\x2D\\x30-\\x39]+", "-12", "a"),  # an escaped "-" next to a hex-digit escape
-        ('root ::= "\\x01\\x41" [\\u002Df]', "\x01A-", "\x1a-"),
-    ],
-)
-def test_gbnf_escapes_mean_what_llama_cpp_means(manager, backend, grammar, text, other):
-    c = manager.compile(make_output_spec(grammar=grammar, grammar_syntax="gbnf"), backend)
-    assert manager.matches(c, text) and not manager.matches(c, other)
-
-
-def test_gbnf_escape_that_is_no_character_is_a_grammar_error(manager, backend):
-    for bad in ('root ::= "\\UFFFFFFFF"', 'root ::= "\\uD800"'):
-        with pytest.raises(GrammarError, match="not a Unicode character"):
-            manager.compile(make_output_spec(grammar=bad, grammar_syntax="gbnf"), backend)
 
 
 @pytest.mark.parametrize("variant", ["legacy", "metaspace"])
@@ -628,3 +453,17 @@ def test_xgrammar_special_tokens_are_not_text(manager, tokenizer):
         assert (EOS in ok) == m.can_end()
     m = manager.new_matcher(manager.compile(make_output_spec(regex="[^b]+"), "xgrammar"))
     assert not m.accept_tokens([EOS]) and not m.can_end()
+
+
+@pytest.mark.parametrize(
+    "grammar,line,col",
+    [
+        ("start: A B\nA: /a+\n", 2, 4),
+        ('start: A B\nA: "a\n', 2, 4),
+        ("\n\n\nstart: A B\nA: /a+\n", 5, 4),
+    ],
+)
+def test_lark_syntax_errors_point_at_their_line(manager, backend, grammar, line, col):
+    with pytest.raises(GrammarError) as e:
+        manager.compile(make_output_spec(grammar=grammar), backend)
+    assert f"line {line}, column {col}" in str(e.value), str(e.value)

@@ -6,8 +6,6 @@ import random
 import re
 import warnings
 
-import pytest
-
 from constrained_serve.grammar.regex_check import ecma_search, python_fullmatch
 
 # Pieces where the regex package reads the same text otherwise than re: the class escapes,
@@ -148,30 +146,3 @@ def test_ecma_classes():
         ("^b", "abc", False),
     ):
         assert ecma_search(pattern, text) is found, (pattern, text)
-
-
-@pytest.mark.parametrize(
-    "pattern, pieces",
-    [
-        (r"a\d{2,3}[^\]x-z](?:b|c)", ["a", r"\d", "{2,3}", r"[^\]x-z]", "(?:", "b", "|", "c", ")"]),
-        (
-            r"(?#note)\N{EM DASH}(?P<n>x){e<=1}",
-            ["(?#note)", r"\N{EM DASH}", "(?P<n>", "x", ")", "{", "e", "<", "=", "1", "}"],
-        ),
-        (r"(?i)a(?s-m:b)[]a][\\]", ["(?i)", "a", "(?s-m:", "b", ")", "[]a]", r"[\\]"]),
-    ],
-)
-def test_a_pattern_is_cut_into_the_pieces_both_rewriters_read(pattern, pieces):
-    """One scanner (grammar/regex_scan.py) serves the regex-package rewrite and xgrammar's."""
-    from constrained_serve.grammar.regex_scan import regex_tokens
-
-    assert regex_tokens(pattern) == pieces
-    assert "".join(pieces) == pattern
-
-
-def test_xgrammar_refuses_scoped_inline_flags():
-    from constrained_serve.errors import GrammarError
-    from constrained_serve.grammar.xgrammar_gaps import xgrammar_regex
-
-    with pytest.raises(GrammarError, match="no inline flags"):
-        xgrammar_regex("(?s-m:x)", strict=True)

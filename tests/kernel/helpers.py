@@ -1,5 +1,6 @@
 """Shared builders for the kernel tests (and benchmarks/gpu_kernels.py): random paged batches,
-a triton guard, and the reference distribution of the sampling filters."""
+a paged KV case and the check of the torch attention against a dense reference, a triton
+guard, and the reference distribution of the sampling filters."""
 
 from __future__ import annotations
 
@@ -88,6 +89,62 @@ def dense_causal_attention(
                 p = torch.softmax(s, dim=0)
                 out[qsl[b] + j, h] = p @ v[: pos + 1, h // group]
     return out
+
+
+def paged_case(
+    query_lens,
+    seq_lens,
+    *,
+    page_size=16,
+    hkv=2,
+    group=2,
+    d=64,
+    dtype=torch.float32,
+    seed=0,
+    head_major=False,
+    shared_pages=0,
+):
+    """Writes each sequence's full K/V history into the pages via store_kv_torch.
+    shared_pages: all sequences start with the same pages, holding the same keys (make_batch)."""
+    from constrained_serve.kernels import attention as A
+    from constrained_serve.kernels import kv_layout
+
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-L // page_size) for L in seq_lens) + 3
+    meta = make_batch(query_lens, seq_lens, page_size, num_pages, g, shared_pages=shared_pages)
+    k_cache = kv_layout.allocate_pool(num_pages, page_size, hkv, d, dtype, torch.device("cpu"), head_major)
+    v_cache = kv_layout.allocate_pool(num_pages, page_size, hkv, d, dtype, torch.device("cpu"), head_major)
+    assert (kv_layout.heads_view(k_cache) is not None) == (head_major or hkv == 1)  # one head: both orders agree
+    # Garbage in unused slots: attention must never read it.
+    k_cache.copy_(torch.randn(k_cache.shape, generator=g))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=g))
+    k_full, v_full = [], []
+    for b, L in enumerate(seq_lens):
+        k = torch.randn(L, hkv, d, generator=g).to(dtype)
+        v = torch.randn(L, hkv, d, generator=g).to(dtype)
+        if b and shared_pages:  # the shared prefix holds the same keys for everyone
+            k[: shared_pages * page_size] = k_full[0][: shared_pages * page_size]
+            v[: shared_pages * page_size] = v_full[0][: shared_pages * page_size]
+        pages = meta.block_tables[b, : -(-L // page_size)].long()
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:L]
+        A.store_kv_torch(k, v, k_cache, v_cache, slots)
+        k_full.append(k)
+        v_full.append(v)
+    q = torch.randn(sum(query_lens), hkv * group, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta, k_full, v_full
+
+
+def assert_matches_dense(q, kc, vc, meta, kf, vf, scale=0.125):
+    """The torch path against the float64 loop reference, at the tolerance of q's dtype."""
+    from constrained_serve.kernels import attention as A
+
+    tol = 1e-5 if q.dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(
+        A.paged_attention_torch(q, kc, vc, meta, scale).double(),
+        dense_causal_attention(q, kf, vf, meta, scale),
+        atol=tol,
+        rtol=tol,
+    )
 
 
 def expected_probs(

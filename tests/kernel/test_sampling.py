@@ -1,6 +1,7 @@
 """Masked sampling: the torch reference and the fused Triton kernel (under TRITON_INTERPRET=1
 on CPU), checked against the definition: masks are never violated, greedy is the masked
-argmax, seeded draws are reproducible and follow the filtered softmax (chi-square)."""
+argmax, seeded draws are reproducible and follow the filtered softmax (chi-square); the torch
+path's top-k, min-p and top-p filters."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from constrained_serve.kernels import sampling as S
+from constrained_serve.kernels.sampling import sample_torch
+from constrained_serve.sampler import step_seed
 
 from .helpers import expected_probs, require_triton
 
@@ -207,3 +210,36 @@ def test_pack_helper_matches_unpack():
     g = torch.Generator().manual_seed(6)
     allowed = torch.rand(3, 77, generator=g) < 0.5
     assert torch.equal(S.unpack_bitmask(_pack(allowed), 77), allowed)
+
+
+def test_sampler_filters():
+    import torch
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    z = torch.zeros(4)
+    greedy = sample_torch(
+        logits.clone(), None, z, torch.zeros(4, dtype=torch.int32), z + 1, z, torch.arange(4), all_greedy=False
+    )
+    assert torch.equal(greedy, logits.argmax(-1))
+    # top_k=1 at any temperature is greedy; min_p close to 1 keeps only the argmax.
+    t = torch.ones(4)
+    k1 = sample_torch(logits.clone(), None, t, torch.ones(4, dtype=torch.int32), t, z, torch.arange(4))
+    assert torch.equal(k1, logits.argmax(-1))
+    mp = sample_torch(logits.clone(), None, t, torch.zeros(4, dtype=torch.int32), t, z + 0.999, torch.arange(4))
+    assert torch.equal(mp, logits.argmax(-1))
+    # top_p: tokens outside the nucleus are never drawn.
+    probs = torch.softmax(logits[0], -1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    for s in range(200):
+        tok = sample_torch(
+            logits[:1].clone(),
+            None,
+            t[:1],
+            torch.zeros(1, dtype=torch.int32),
+            torch.tensor([0.5]),
+            z[:1],
+            torch.tensor([step_seed(s, 0)]),
+        )
+        assert int(tok) in nucleus
