@@ -324,7 +324,12 @@ class EngineCore:
                 forced_rows.append((r, res))
         appended = self._append_forced([(r, res.forced) for r, res in forced_rows])
         for (r, res), forced in zip(forced_rows, appended):
-            self._check_stop(r, forced, res.finished)
+            if forced or res.finished:  # else nothing changed since the check above
+                self._check_stop(r, forced, res.finished)
+        if self.overlap and forced_rows:
+            # The next step's masks of the requests that go on, computed by the mask workers
+            # from now on, while this thread finishes the step and prepares the next one.
+            self.grammar.prefill_masks([r.matcher for r, _ in forced_rows if not r.finished])
 
     @staticmethod
     def _rejection_message(r: Request, n_output: int) -> str:

@@ -467,3 +467,45 @@ def test_lark_syntax_errors_point_at_their_line(manager, backend, grammar, line,
     with pytest.raises(GrammarError) as e:
         manager.compile(make_output_spec(grammar=grammar), backend)
     assert f"line {line}, column {col}" in str(e.value), str(e.value)
+
+
+def test_prefilled_masks_are_used_while_fresh_and_refilled_when_stale(manager, backend, tokenizer):
+    """prefill_masks fills the next step's rows ahead; a step's fill copies a prefilled row
+    only if nothing touched its matcher since and no later prefill reused the slots, and
+    the rows it gives equal fresh fills (of twin matchers with the same history)."""
+    compiled = manager.compile(make_output_spec(schema=PERSON), backend)
+    texts = ['{"name":"', '{"name":"Al","age":', ""]
+
+    def matchers():
+        ms = [manager.new_matcher(compiled) for _ in texts]
+        for m, text in zip(ms, texts):
+            assert not text or m.accept_tokens(encode(tokenizer, text))
+        return ms
+
+    def fresh():
+        bm = manager.allocate_bitmask(len(texts))
+        manager.fill_bitmask(list(enumerate(matchers())), bm)
+        return bm
+
+    a, b, c = matchers()
+    expected = fresh()
+    used = manager.stats["prefilled_rows"]
+    manager.prefill_masks([a, b, c])
+    # The step's rows are in another order than the prefill's slots.
+    bm = manager.step_bitmask(3)
+    manager.fill_bitmask([(0, c), (1, a), (2, b)], bm)
+    assert manager.stats["prefilled_rows"] == used + 3
+    assert torch.equal(bm, expected[[2, 0, 1]])
+
+    # Stale: a accepts tokens after its prefill; a later prefill (of b only) retires c's slot.
+    manager.prefill_masks([a, c])
+    assert a.accept_tokens(encode(tokenizer, "Al"))
+    texts[0] += "Al"
+    manager.prefill_masks([b])
+    expected = fresh()
+    used = manager.stats["prefilled_rows"]
+    bm = manager.step_bitmask(3)
+    manager.fill_bitmask([(0, a), (1, b), (2, c)], bm)
+    assert manager.stats["prefilled_rows"] == used + 1  # b only
+    assert torch.equal(bm, expected)
+    assert not torch.equal(bm[0], bm[2])  # a moved on: its old mask was c's

@@ -126,8 +126,12 @@ class GrammarManager(GrammarCompiling):
         self._queued: dict[Any, list[tuple]] = collections.defaultdict(list)
         self._gids = itertools.count(1)
         self._mids = itertools.count(1)
-        self._bitmask = SharedBitmask(max(1, int(max_rows)), self.width)
+        # The shared bitmask holds a step's rows, then as many prefill slots (prefill_masks).
+        self._step_rows = max(1, int(max_rows))
+        self._bitmask = SharedBitmask(2 * self._step_rows, self.width)
         self._bitmask_t = torch.from_numpy(self._bitmask.array)
+        self._prefill: PendingMasks | None = None  # the prefill batch in flight, if any
+        self._prefill_gen = 0  # bumped by each prefill: only the latest one's slots are valid
         self._pool = cf.ThreadPoolExecutor(self._max_compilers, thread_name_prefix="grammar-compile")
         self._closed = False
         # timeouts: compiles killed at compile_timeout_s; timeout_refusals: specs refused for
@@ -141,6 +145,7 @@ class GrammarManager(GrammarCompiling):
             "mask_overruns": 0,
             "worker_restarts": 0,
             "evictions": 0,
+            "prefilled_rows": 0,  # mask rows a step took from prefill_masks instead of a fill
         }
         weakref.finalize(self, GrammarManager._close_all, self._compilers, self._maskers, self._bitmask)
 
@@ -220,6 +225,9 @@ class GrammarManager(GrammarCompiling):
                 self.evict(h.compiled)
 
     def _run(self, entries: list[_Entry]) -> list[_Entry]:
+        self._settle_prefill()
+        for e in entries:  # the operation changes (or may change) the matcher's state
+            e.handle.prefilled = None
         batch = _Batch(self, entries)
         try:
             batch.submit()
@@ -273,6 +281,51 @@ class GrammarManager(GrammarCompiling):
         """``[rows, ceil(vocab/32)]`` int32, all bits set (= no constraint)."""
         return torch.from_numpy(allocate_bitmask(rows, self.vocab_size))
 
+    def prefill_masks(self, handles: Sequence[MatcherHandle]) -> None:
+        """Start filling, for each handle, the mask of its matcher's current state, into a
+        slot of the shared bitmask, without waiting. The engine calls this right after a
+        step's ``advance`` for the requests that go on, so the workers compute the next
+        step's masks while the engine detokenizes, schedules and builds the next step's
+        inputs (and, on GPU, while the forward runs) instead of inside the next step.
+        ``fill_bitmask_async`` then copies a prefilled row instead of asking the worker again,
+        if nothing changed the matcher in between (any other operation on it, or a later
+        prefill, makes the slot stale). One prefill batch is in flight at a time; any other
+        work sent to the workers first waits for it."""
+        self._settle_prefill()
+        self._prefill_gen += 1
+        todo = [h for h in handles if h.failure is None][: self._step_rows]
+        if not todo:
+            return
+        rows = [(self._step_rows + j, h) for j, h in enumerate(todo)]
+        batch = _Batch(self, [_Entry(h, ("fill", row), h.mask_timeout_s) for row, h in rows])
+        try:
+            batch.submit()
+        except BaseException:
+            batch.abandon()
+            raise
+        for row, h in rows:
+            h.prefilled = (self._prefill_gen, row)
+        self._prefill = PendingMasks(self, batch, rows, None)
+
+    def _settle_prefill(self) -> None:
+        """Collect the prefill batch in flight (a worker takes one batch at a time). Its
+        failures land on the handles, as a fill's do; their slots are never used."""
+        pending, self._prefill = self._prefill, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except BaseException:
+            pending.abandon()
+            raise
+
+    def _drop_prefill(self) -> None:
+        """Forget the prefill in flight and every slot (its workers are being killed)."""
+        pending, self._prefill = self._prefill, None
+        if pending is not None:
+            pending.abandon()
+        self._prefill_gen += 1
+
     def step_bitmask(self, rows: int) -> torch.Tensor:
         """A bitmask of ``rows`` rows, all bits set, in the memory the mask workers write to:
         the engine's per-step bitmask (valid until the next call)."""
@@ -282,13 +335,15 @@ class GrammarManager(GrammarCompiling):
         return view
 
     def _ensure_rows(self, rows: int) -> None:
-        if rows <= self._bitmask.rows:
+        if rows <= self._step_rows:
             return
         # Rare (the engine sizes it to max_num_seqs): a bigger buffer, and mask workers
         # restarted to map it; their matchers are rebuilt on next use.
+        self._drop_prefill()
         with self._lock:
             old = self._bitmask
-            self._bitmask = SharedBitmask(max(rows, 2 * old.rows), self.width)
+            self._step_rows = max(rows, 2 * self._step_rows)
+            self._bitmask = SharedBitmask(2 * self._step_rows, self.width)
             self._bitmask_t = torch.from_numpy(self._bitmask.array)
             for clients in self._maskers.values():
                 for c in clients:
@@ -306,7 +361,22 @@ class GrammarManager(GrammarCompiling):
         if not rows:
             return PendingMasks(self, None, rows, bitmask)
         self._ensure_rows(max(r for r, _ in rows) + 1)
-        batch = _Batch(self, [_Entry(h, ("fill", row), h.mask_timeout_s) for row, h in rows])
+        self._settle_prefill()
+        # Rows whose mask prefill_masks already filled are copied from their slot; the
+        # others are filled now.
+        shared = self._bitmask.array
+        copy_to, copy_from, todo = [], [], []
+        for row, h in rows:
+            p, h.prefilled = h.prefilled, None
+            if p is not None and p[0] == self._prefill_gen and h.failure is None:
+                copy_to.append(row)
+                copy_from.append(p[1])
+            else:
+                todo.append((row, h))
+        if copy_to:
+            shared[copy_to] = shared[copy_from]
+            self.stats["prefilled_rows"] += len(copy_to)
+        batch = _Batch(self, [_Entry(h, ("fill", row), h.mask_timeout_s) for row, h in todo])
         try:
             batch.submit()
         except BaseException:
@@ -345,6 +415,7 @@ class GrammarManager(GrammarCompiling):
     def abandon_all(self) -> None:
         """Kill the mask workers (their state is unknown after an interrupted step); every
         matcher is rebuilt from its history on next use."""
+        self._drop_prefill()
         for clients in self._maskers.values():
             for c in clients:
                 c.kill()
@@ -358,6 +429,7 @@ class GrammarManager(GrammarCompiling):
         if self._closed:
             return
         self._closed = True
+        self._drop_prefill()
         self._pool.shutdown(wait=False, cancel_futures=True)
         GrammarManager._close_all(self._compilers, self._maskers, self._bitmask)
 

@@ -70,6 +70,7 @@ class MatcherHandle:
         "can_end_now",
         "failure",
         "dead_end",
+        "prefilled",
         "live",
         "_manager",
         "__weakref__",
@@ -85,6 +86,9 @@ class MatcherHandle:
         self.can_end_now = False
         self.failure: str | None = None  # set once its grammar work failed: the request fails with it
         self.dead_end = False  # the failure: a mask that allowed no token (the spec cannot go on)
+        # (prefill generation, slot row) of a mask already filled for the matcher's current
+        # state (GrammarManager.prefill_masks); None when there is none or it went stale.
+        self.prefilled: tuple[int, int] | None = None
 
     @property
     def backend_name(self) -> str:
