@@ -32,6 +32,7 @@ from .result import Result
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .streaming import EngineStreaming
+from .thread_tuner import ThreadTuner
 
 if TYPE_CHECKING:
     from .conversation import Conversation
@@ -97,6 +98,8 @@ class Engine(EngineInputs, EngineStreaming):
         radix = RadixCache(self.pool, cfg.page_size) if cfg.enable_prefix_cache else None
         self.max_model_len = min(model_len, num_pages * cfg.page_size)
         runner = ModelRunner(self.model, num_pages, cfg.page_size, dev, self.dtype)
+        if dev.type == "cpu" and cfg.adaptive_threads:
+            runner.thread_tuner = ThreadTuner(cfg.cpu_threads())
         if dev.type == "cuda" and cfg.cuda_graphs:
             runner.enable_decode_graphs(cfg.graph_batch(), self.max_model_len)
         # One thread at a time drives the core (adds, steps, aborts) and changes the cache

@@ -34,6 +34,9 @@ class EngineConfig:
     overlap: bool = True  # fill grammar masks while the forward runs
     fast_forward: bool = True  # append grammar-forced tokens without a decode step each
     num_threads: int | None = None  # torch intra-op threads on CPU; None: $OMP_NUM_THREADS, else all cores
+    # On CPU, run the forward on fewer threads while that is faster, e.g. when other processes
+    # take cores (thread_tuner.py); num_threads is the most it uses. False: always num_threads.
+    adaptive_threads: bool = True
     load_format: str = "auto"  # "auto" | "dummy" (random weights in the model's shapes)
     seed: int = 0  # draws the seeds of requests that give none
     conversation_lock_fraction: float = 0.5  # share of the pool open conversations may pin

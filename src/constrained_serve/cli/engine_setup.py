@@ -54,6 +54,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["dtype"] = args.dtype
     if args.threads is not None:
         kwargs["num_threads"] = args.threads
+    if getattr(args, "fixed_threads", False):
+        kwargs["adaptive_threads"] = False
     return kwargs
 
 

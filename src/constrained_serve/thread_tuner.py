@@ -1,0 +1,118 @@
+"""How many threads the CPU forward uses, adapted to what the machine gives it.
+
+A forward on CPU is a few hundred short OpenMP parallel regions (each linear, norm and
+attention op), each ending in a barrier where every thread waits for the slowest. When
+another process takes one of the cores (another job, a test run, even the engine's own
+grammar worker), the thread that lost its core holds up every barrier for a scheduler time
+slice: measured on a 2-core VM with one busy-looping process beside it, SmolLM2-135M chat
+fell from 284 to 12 output tokens/s with 2 threads, and ran at 269 with 1. vLLM avoids
+this by pinning its threads; a library inside someone else's process cannot.
+
+So the engine measures instead: every forward's seconds per token, kept per step size (a
+power-of-two bucket of the step's token count, since a decode step of 8 rows and a prefill
+chunk of 512 tokens cost very differently per token). Now and then, and at once when steps
+of a size become much slower than usual, it runs a few steps with half the threads (or
+twice, back up to the configured count) and keeps whichever count was faster on the same
+step sizes. A probe that starts out much slower ends after one step, and a probe that lost
+is tried again after twice as long, so on a steady machine the probes cost well under 1%.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ThreadTuner:
+    """Chooses torch's intra-op thread count between 1 and ``max_threads`` from timed steps.
+    ``observe(num_tokens, seconds)`` after each forward; it calls ``set_threads`` to switch."""
+
+    max_threads: int
+    probe_every: int = 1024  # steps between routine probes (doubled after each that lost, to 8x)
+    first_probe: int = 16  # steps before the first probe: a machine busy from the start shows no slowdown
+    probe_steps: int = 3  # measured steps in a probe (after one unmeasured warm-up step)
+    slowdown: float = 2.0  # a step this much slower per token than usual for its size: probe now
+    gain: float = 1.1  # the probed count must be this much faster to be kept
+    set_threads: Callable[[int], None] = torch.set_num_threads
+    threads: int = 0  # current count (0: max_threads)
+    # seconds per token, an exponential average per (threads, size bucket)
+    usual: dict[tuple[int, int], float] = field(default_factory=dict)
+    switches: int = 0  # counts kept after a probe (for tests and stats)
+    _since_probe: int = 0
+    _interval: dict[int, int] = field(default_factory=dict)  # per probed count
+    _probe: int = 0  # thread count being probed (0: none)
+    _probe_seen: list[tuple[int, float]] = field(default_factory=list)
+    _warm: bool = False
+
+    def __post_init__(self) -> None:
+        self.max_threads = max(1, int(self.max_threads))
+        self.threads = self.threads or self.max_threads
+
+    @staticmethod
+    def bucket(num_tokens: int) -> int:
+        return max(1, int(num_tokens)).bit_length()
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0 or self.max_threads == 1:
+            return
+        per_token, b = seconds / num_tokens, self.bucket(num_tokens)
+        if self._probe:
+            self._observe_probe(b, per_token)
+            return
+        usual = self.usual.get((self.threads, b))
+        self._learn(self.threads, b, per_token)
+        self._since_probe += 1
+        contended = usual is not None and per_token > self.slowdown * usual and self._since_probe >= 8
+        for cand in self._candidates():
+            # A slowdown calls for fewer threads, never more: probing up then costs most.
+            if (contended and cand < self.threads) or self._since_probe >= self._interval.setdefault(
+                cand, self.first_probe
+            ):
+                self._start_probe(cand)
+                return
+
+    def _candidates(self) -> list[int]:
+        down, up = max(1, self.threads // 2), min(self.max_threads, self.threads * 2)
+        return [c for c in (down, up) if c != self.threads]
+
+    def _learn(self, threads: int, b: int, per_token: float) -> None:
+        old = self.usual.get((threads, b))
+        self.usual[(threads, b)] = per_token if old is None else 0.8 * old + 0.2 * per_token
+
+    def _start_probe(self, cand: int) -> None:
+        self._probe, self._probe_seen, self._warm = cand, [], False
+        self._since_probe = 0
+        self.set_threads(cand)
+
+    def _observe_probe(self, b: int, per_token: float) -> None:
+        if not self._warm:  # the first step after a switch also pays for waking the new team
+            self._warm = True
+            return
+        self._probe_seen.append((b, per_token))
+        base = self.usual.get((self.threads, b))
+        clearly_worse = base is not None and per_token > 1.4 * base  # no need to see more
+        if len(self._probe_seen) < self.probe_steps and not clearly_worse:
+            return
+        ratios = [self.usual[(self.threads, bb)] / t for bb, t in self._probe_seen if (self.threads, bb) in self.usual]
+        speedup = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 0.0
+        cand, self._probe = self._probe, 0
+        for bb, t in self._probe_seen:
+            self._learn(cand, bb, t)
+        if speedup >= self.gain:
+            logger.info("CPU forward: %d threads instead of %d (%.2fx faster per token)", cand, self.threads, speedup)
+            went_down, self.threads = cand < self.threads, cand
+            self.switches += 1
+            # Soon one more step the same way (4 -> 2 may be followed by 2 -> 1); back later.
+            self._interval = {
+                c: self.first_probe if (c < cand) == went_down else self.probe_every for c in self._candidates()
+            }
+        else:
+            self.set_threads(self.threads)
+            self._interval[cand] = min(8 * self.probe_every, max(self.probe_every, 2 * self._interval[cand]))
