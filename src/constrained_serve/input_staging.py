@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 
@@ -33,15 +34,26 @@ class _Staging:
             self.host if self.device.type == "cpu" else torch.empty(capacity, dtype=self.dtype, device=self.device)
         )
 
-    def upload(self, parts: list[list[int]]) -> list[torch.Tensor]:
-        """Device views of ``parts`` (lists of ints), in one host-to-device copy."""
-        sizes = [len(p) for p in parts]
+    def upload(self, parts: list[list[int] | np.ndarray]) -> list[torch.Tensor]:
+        """Device views of ``parts`` (lists of ints, or numpy arrays, taken flat), in one
+        host-to-device copy."""
+        sizes = [p.size if isinstance(p, np.ndarray) else len(p) for p in parts]
         total = sum(sizes)
         if total > self.host.numel():
             self._alloc(max(total, 2 * self.host.numel()))
-        flat = list(itertools.chain.from_iterable(parts))
-        # torch.tensor then copy_: filling the pinned buffer from a list in place has no fast path.
-        self.host[:total].copy_(torch.tensor(flat, dtype=self.dtype))
+        start = 0
+        for arrays, group in itertools.groupby(zip(parts, sizes), key=lambda ps: isinstance(ps[0], np.ndarray)):
+            group = list(group)
+            n = sum(size for _, size in group)
+            if arrays:
+                for a, size in group:
+                    self.host[start : start + size].copy_(torch.from_numpy(np.ascontiguousarray(a).reshape(-1)))
+                    start += size
+                continue
+            flat = list(itertools.chain.from_iterable(p for p, _ in group))
+            # torch.tensor then copy_: filling the pinned buffer from a list in place has no fast path.
+            self.host[start : start + n].copy_(torch.tensor(flat, dtype=self.dtype))
+            start += n
         if self.dev is not self.host:
             self.dev[:total].copy_(self.host[:total], non_blocking=True)
         return list(self.dev[:total].split(sizes))

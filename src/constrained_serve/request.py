@@ -56,6 +56,12 @@ class Request:
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served by the prefix cache at (first) admission
     pages: list[int] = field(default_factory=list)
+    # Bumped by the cache manager on any change to ``pages`` other than an append; with the
+    # slot fields it lets block_tables.py rewrite only what changed since the last step.
+    pages_version: int = 0
+    table_slot: int = -1
+    table_version: int = -1
+    table_len: int = 0
     cache_node: "Node | None" = None  # locked radix node covering pages[:num_shared // page_size]
     num_shared: int = 0  # leading tokens whose pages are shared with the prefix cache
     status: Status = Status.WAITING

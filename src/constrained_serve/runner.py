@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import AttentionMetadata, Batch
+from .block_tables import BlockTables
 from .cuda_graphs import DecodeGraphs
 from .input_staging import InputStaging
 from .kernels.attention import triton_supports
@@ -71,6 +72,7 @@ class ModelRunner:
         self.tokens_computed = 0  # total tokens run through the model (tests assert on it)
         self.graphs: DecodeGraphs | None = None
         self.staging = InputStaging(device)
+        self.block_tables = BlockTables()
         self.thread_tuner: ThreadTuner | None = None  # CPU: adapts the forward's threads (thread_tuner.py)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, *, capture: bool = True) -> bool:
@@ -142,12 +144,8 @@ class ModelRunner:
                     prompt_idx.append(first + p - start)
                     prompt_rows.append((r, p))
             max_pages = max(max_pages, -(-end // ps))
-        # Block tables as one flat list of padded rows (a tensor per row cost ~5 us each).
-        table: list[int] = []
-        for c, seq_len in zip(batch.chunks, seq_lens):
-            n = -(-seq_len // ps)
-            table.extend(c.request.pages[:n])
-            table.extend([0] * (max_pages - n))
+        # Block tables: the rows kept across steps, updated where pages changed (block_tables.py).
+        table = self.block_tables.gather([c.request for c in batch.chunks], [-(-n // ps) for n in seq_lens], max_pages)
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)

@@ -60,6 +60,7 @@ class KVCacheManager:
             self.pool.incref(m.pages)
             r.cache_node = m.node
             r.pages = list(m.pages)
+            r.pages_version += 1
             r.num_shared = n
         if self.copy_page_prefix is not None and limit - n > 0:
             src, k = self.radix.partial_page(m.node, r.token_ids[n:limit])
@@ -127,6 +128,7 @@ class KVCacheManager:
             self.radix.lock(m.node)
         r.cache_node = m.node
         r.pages[first:npages] = m.pages
+        r.pages_version += 1
         r.num_shared = n
 
     def release(self, r: Request, cache_tokens: bool) -> None:
@@ -141,6 +143,7 @@ class KVCacheManager:
         r.num_shared = 0
         self.pool.decref(r.pages)
         r.pages = []
+        r.pages_version += 1
 
     def reset(self) -> None:
         """Forget every page reference: all pages free, the prefix cache empty. Only for
