@@ -108,9 +108,10 @@ class Bench:
             except Exception as e:
                 entry[f"{label}_error"] = f"{type(e).__name__}: {e}"[:500]
         base = [k for k in entry if k.endswith("_ms") and not k.startswith("triton")]
-        if "triton_ms" in entry:
+        for t in [k for k in entry if k.endswith("_ms") and k.startswith("triton")]:
+            variant = "" if t == "triton_ms" else t[len("triton_") : -3] + "_"  # e.g. candidates_
             for k in base:
-                entry[f"speedup_vs_{k[:-3]}"] = round(entry[k] / max(entry["triton_ms"], 1e-9), 3)
+                entry[f"{variant}speedup_vs_{k[:-3]}"] = round(entry[k] / max(entry[t], 1e-9), 3)
         self.timings.append(entry)
         print("TIME " + json.dumps(entry), flush=True)
 
@@ -395,6 +396,8 @@ def sampling_timings(b: Bench, smoke: bool) -> None:
         shape,
         {
             "triton": lambda: S.sample_triton(logits, bm, **filt),
+            # what the engine runs for rows with 0 < top_k <= 1024 (sampling_candidates.py)
+            "triton_candidates": lambda: S.sample_triton(logits, bm, **filt, candidates=(list(range(R)), 50)),
             "torch_masked_topk_topp_multinomial": torch_alternative_topk_topp,
             "torch_reference": lambda: S.sample_torch(logits, bm, **filt),
         },

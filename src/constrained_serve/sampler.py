@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import dispatch
+from .kernels.sampling_candidates import candidate_rows
 from .request import Request
 
 _MASK64 = (1 << 63) - 1
@@ -138,7 +139,15 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
         min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
         seeds = torch.tensor([step_seed(r.seed, r.num_tokens) for r in requests], dtype=torch.int64)
+        rows = candidate_rows([p.temperature for p in ps], [p.top_k for p in ps], logits.shape[-1])
         tokens = dispatch.sample(
-            logits, bitmask, temperature.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), seeds.to(dev)
+            logits,
+            bitmask,
+            temperature.to(dev),
+            top_k.to(dev),
+            top_p.to(dev),
+            min_p.to(dev),
+            seeds.to(dev),
+            candidates=(rows, max(ps[i].top_k for i in rows)) if rows else None,
         )
         return tokens.tolist()

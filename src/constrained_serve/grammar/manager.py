@@ -297,12 +297,7 @@ class GrammarManager(GrammarCompiling):
         if not todo:
             return
         rows = [(self._step_rows + j, h) for j, h in enumerate(todo)]
-        batch = _Batch(self, [_Entry(h, ("fill", row), h.mask_timeout_s) for row, h in rows])
-        try:
-            batch.submit()
-        except BaseException:
-            batch.abandon()
-            raise
+        batch = self._submit_fills(rows)
         for row, h in rows:
             h.prefilled = (self._prefill_gen, row)
         self._prefill = PendingMasks(self, batch, rows, None)
@@ -376,13 +371,17 @@ class GrammarManager(GrammarCompiling):
         if copy_to:
             shared[copy_to] = shared[copy_from]
             self.stats["prefilled_rows"] += len(copy_to)
-        batch = _Batch(self, [_Entry(h, ("fill", row), h.mask_timeout_s) for row, h in todo])
+        return PendingMasks(self, self._submit_fills(todo), rows, bitmask)
+
+    def _submit_fills(self, rows: list[tuple[int, MatcherHandle]]) -> _Batch:
+        """Send a fill of each ``(row, handle)`` to the workers, without waiting."""
+        batch = _Batch(self, [_Entry(h, ("fill", row), h.mask_timeout_s) for row, h in rows])
         try:
             batch.submit()
         except BaseException:
             batch.abandon()
             raise
-        return PendingMasks(self, batch, rows, bitmask)
+        return batch
 
     def fill_bitmask(
         self, rows_and_handles: Sequence[tuple[int, MatcherHandle]], bitmask: torch.Tensor | np.ndarray | None = None

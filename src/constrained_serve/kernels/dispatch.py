@@ -73,7 +73,12 @@ def sample(
     seeds: torch.Tensor,
     *,
     all_greedy: bool = False,
+    candidates: tuple[list[int], int] | None = None,
 ) -> torch.Tensor:
+    """``candidates``: (rows, their largest top_k) for the Triton path's top-k candidate
+    sampling (sampling_candidates.py); the torch path samples every row the same way."""
     if use_triton(logits.device):
-        return sampling.sample_triton(logits, bitmask, temperature, top_k, top_p, min_p, seeds, all_greedy=all_greedy)
+        return sampling.sample_triton(
+            logits, bitmask, temperature, top_k, top_p, min_p, seeds, all_greedy=all_greedy, candidates=candidates
+        )
     return sampling.sample_torch(logits, bitmask, temperature, top_k, top_p, min_p, seeds, all_greedy=all_greedy)

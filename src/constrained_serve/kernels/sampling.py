@@ -145,6 +145,8 @@ def sample_torch(
 # The draw is Gumbel-max: argmax(logit / T + G) with G = -log(-log(U)), U = tl.rand(seed, tok),
 # i.e. the same law as the reference's argmax(p / E), E ~ Exp(1).
 # Passes over the vocab per row: 1 (greedy or plain sampling, min-p needs 2), 10 with top-k/p.
+# Rows with 0 < top_k <= 1024 skip the search: sampling_candidates.py draws them from torch.topk's
+# candidates with the same thresholds and noise (sample_triton's ``candidates``).
 # Ties exactly at a top-k/top-p threshold are all kept, as in the reference; the noise stream
 # differs from the reference's torch generator, so the two agree in distribution, not draw
 # for draw.
@@ -339,6 +341,7 @@ def sample_triton(
     seeds: torch.Tensor,
     *,
     all_greedy: bool = False,
+    candidates: tuple[list[int], int] | None = None,
     block_v: int | None = None,
     search_block: int | None = None,
     rows_per_program: int | None = None,
@@ -346,9 +349,17 @@ def sample_triton(
 ) -> torch.Tensor:
     """Fused Triton version of :func:`sample_torch`: one program per row, no host sync.
 
-    Same arguments and result (int64 [R]); logits are read, never written.
+    Same arguments and result (int64 [R]); logits are read, never written. ``candidates``:
+    (rows, their largest top_k) that take the top-k candidate path (sampling_candidates.py)
+    instead of the fused kernel's threshold search.
     """
     require_triton()
+    if candidates is not None and candidates[0] and not all_greedy:
+        from .sampling_candidates import sample_with_candidates
+
+        return sample_with_candidates(
+            logits, bitmask, temperature, top_k, top_p, min_p, seeds, candidates, block_v, search_block, num_warps
+        )
     R, V = logits.shape
     assert logits.stride(-1) == 1
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
