@@ -40,7 +40,7 @@ def test_candidate_tokens_equal_the_fused_kernels(seed):
     logits, bitmask, params = _batch(48, 300, seed)
     fused = S.sample_triton(logits, bitmask, **params)
     k_max = int(params["top_k"].max())
-    tokens, overflow = sample_candidates(logits, bitmask, *params.values(), k_max)
+    tokens, overflow = sample_candidates(logits, bitmask, tuple(params.values()), k_max)
     assert not overflow.any()
     assert torch.equal(tokens, fused), (tokens != fused).nonzero().flatten().tolist()
 
@@ -50,7 +50,7 @@ def test_ties_past_the_candidates_fall_back_to_the_fused_kernel():
     logits, bitmask, params = _batch(32, 300, 7, quantum=1.0)
     params["top_k"] = torch.full((32,), 3, dtype=torch.int64)
     fused = S.sample_triton(logits, bitmask, **params)
-    _, overflow = sample_candidates(logits, bitmask, *params.values(), 3)
+    _, overflow = sample_candidates(logits, bitmask, tuple(params.values()), 3)
     assert overflow.any(), "the case has no overflowing ties"
     rows = list(range(32))
     mixed = S.sample_triton(logits, bitmask, **params, candidates=(rows, 3))
@@ -90,7 +90,7 @@ def test_candidate_draws_follow_the_filtered_softmax(T, k, p, mp):
     N = 3000
     logits = _BASE.repeat(N, 1)
     bitmask = _pack(_MASK.repeat(N, 1))
-    tokens, overflow = sample_candidates(logits, bitmask, *_params(N, T, k, p, mp, seed0=77).values(), k)
+    tokens, overflow = sample_candidates(logits, bitmask, tuple(_params(N, T, k, p, mp, seed0=77).values()), k)
     assert not overflow.any()
     counts = torch.bincount(tokens, minlength=_V).double()
     expected = expected_probs(_BASE, _MASK, T, k, p, mp) * N

@@ -358,7 +358,13 @@ def sample_triton(
         from .sampling_candidates import sample_with_candidates
 
         return sample_with_candidates(
-            logits, bitmask, temperature, top_k, top_p, min_p, seeds, candidates, block_v, search_block, num_warps
+            logits,
+            bitmask,
+            (temperature, top_k, top_p, min_p, seeds),
+            candidates,
+            block_v=block_v,
+            search_block=search_block,
+            num_warps=num_warps,
         )
     R, V = logits.shape
     assert logits.stride(-1) == 1

@@ -20,6 +20,8 @@ reads its tokens on the host right after).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ._triton import HAS_TRITON, tl, triton
@@ -95,19 +97,18 @@ if HAS_TRITON:
         tl.store(overflow_ptr + rows, overflow.to(tl.int8))
 
 
+# Per-row sampling tensors, in sample_triton's order: temperature, top_k, top_p, min_p, seeds.
+RowParams = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def sample_candidates(
-    logits: torch.Tensor,
-    bitmask: torch.Tensor | None,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    k_max: int,
+    logits: torch.Tensor, bitmask: torch.Tensor | None, params: RowParams, k_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 [R], overflow bool [R]) for rows that all have 0 < top_k <= k_max and
     temperature > 0; an overflow row's token is not valid (see the module docstring)."""
     from .sampling import apply_bitmask_triton
+
+    temperature, top_k, top_p, min_p, seeds = params
 
     R, V = logits.shape
     x = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
@@ -143,26 +144,21 @@ def sample_candidates(
 def sample_with_candidates(
     logits: torch.Tensor,
     bitmask: torch.Tensor | None,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
+    params: RowParams,
     candidates: tuple[list[int], int],
-    block_v: int | None,
-    search_block: int | None,
-    num_warps: int,
+    **kernel_options: Any,
 ) -> torch.Tensor:
     """The fused kernel for every row, its filters off on the candidate rows (so only its
     first pass runs there), then the candidate path for those rows; the rare row whose ties
     overflow the candidates is redone by the fused kernel with its filters."""
     from .sampling import sample_triton
 
+    temperature, top_k, top_p, min_p, seeds = params
     rows, k_max = candidates
     idx = torch.tensor(rows, device=logits.device)
     on = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     on[idx] = True
-    kw = dict(block_v=block_v, search_block=search_block, num_warps=num_warps)
+    kw = kernel_options
     out = sample_triton(
         logits,
         bitmask,
@@ -177,8 +173,7 @@ def sample_with_candidates(
     def sub(t: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor | None:
         return None if t is None else t.index_select(0, at)
 
-    params = (temperature, top_k, top_p, min_p, seeds)
-    tokens, overflow = sample_candidates(sub(logits, idx), sub(bitmask, idx), *(sub(t, idx) for t in params), k_max)
+    tokens, overflow = sample_candidates(sub(logits, idx), sub(bitmask, idx), tuple(sub(t, idx) for t in params), k_max)
     out[idx] = tokens
     if bool(overflow.any()):  # the step reads its tokens on the host next anyway
         o = idx[overflow]
