@@ -112,7 +112,10 @@ def run(args: argparse.Namespace) -> dict:
         if engine.core.runner.graphs is not None:
             report["graph_replays"] = engine.core.runner.graphs.replays
         if engine.core.grammar is not None:
-            engine.core.grammar.close()
+            g = engine.core.grammar
+            report["bitmask_pinned"] = g._bitmask.pinned  # cudaHostRegister took (grammar/shared_memory.py)
+            report["prefilled_rows"] = g.stats["prefilled_rows"]  # masks filled ahead (prefill_masks)
+            g.close()
 
         if not args.skip_hf:
             import xgrammar as xgr

@@ -172,6 +172,8 @@ class Engine(EngineInputs, EngineStreaming):
             isolation=cfg.grammar_isolation,
             max_rows=cfg.max_num_seqs,
         )
+        if self.device.type == "cuda":
+            grammar.pin_for_cuda()  # the step's mask rows reach the GPU without a host wait
         grammar.warm_up()  # its workers start while the first spec compiles
         return grammar
 

@@ -265,3 +265,19 @@ def test_the_engine_never_reads_a_half_written_progress_record():
     finally:
         writer.join(5)
         os.close(fd)
+
+
+def test_bitmask_pinning_is_refused_cleanly_without_cuda():
+    """SharedBitmask.pin (cudaHostRegister, used on CUDA) returns False where CUDA is absent,
+    and the buffer stays usable; benchmarks/gpu_structured.py reports it on a GPU."""
+    import torch
+
+    from constrained_serve.grammar.shared_memory import SharedBitmask
+
+    bm = SharedBitmask(2, 3)
+    try:
+        assert bm.pin() is torch.cuda.is_available()
+        bm.array[1] = 7
+        assert bm.array.tolist() == [[-1, -1, -1], [7, 7, 7]]
+    finally:
+        bm.close()

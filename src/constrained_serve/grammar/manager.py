@@ -131,6 +131,7 @@ class GrammarManager(GrammarCompiling):
         self._bitmask = SharedBitmask(2 * self._step_rows, self.width)
         self._bitmask_t = torch.from_numpy(self._bitmask.array)
         self._prefill: PendingMasks | None = None  # the prefill batch in flight, if any
+        self._pin = False  # page-lock the bitmask for CUDA copies (pin_for_cuda)
         self._prefill_gen = 0  # bumped by each prefill: only the latest one's slots are valid
         self._pool = cf.ThreadPoolExecutor(self._max_compilers, thread_name_prefix="grammar-compile")
         self._closed = False
@@ -281,6 +282,12 @@ class GrammarManager(GrammarCompiling):
         """``[rows, ceil(vocab/32)]`` int32, all bits set (= no constraint)."""
         return torch.from_numpy(allocate_bitmask(rows, self.vocab_size))
 
+    def pin_for_cuda(self) -> bool:
+        """Keep the shared bitmask page-locked (now and after it grows), so steps copy their
+        rows to the GPU asynchronously. False where CUDA cannot do it (copies still work)."""
+        self._pin = self._bitmask.pin()
+        return self._pin
+
     def prefill_masks(self, handles: Sequence[MatcherHandle]) -> None:
         """Start filling, for each handle, the mask of its matcher's current state, into a
         slot of the shared bitmask, without waiting. The engine calls this right after a
@@ -340,6 +347,8 @@ class GrammarManager(GrammarCompiling):
             self._step_rows = max(rows, 2 * self._step_rows)
             self._bitmask = SharedBitmask(2 * self._step_rows, self.width)
             self._bitmask_t = torch.from_numpy(self._bitmask.array)
+            if self._pin:
+                self._bitmask.pin()
             for clients in self._maskers.values():
                 for c in clients:
                     c.kill()

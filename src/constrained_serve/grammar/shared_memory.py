@@ -5,12 +5,15 @@ write rows into, and for the progress page each worker stamps before every item.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import tempfile
 import time
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 
@@ -35,8 +38,35 @@ class SharedBitmask:
         self.fd, self._map = shared_file(self.rows * self.width * 4, "cs-bitmask")
         self.array = np.ndarray((self.rows, self.width), dtype=np.int32, buffer=self._map)
         self.array.fill(-1)
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Page-lock the rows for CUDA (cudaHostRegister), so the sampler's copy of a step's
+        rows to the GPU is asynchronous instead of staged through a pageable bounce buffer
+        while the CPU waits. False (and nothing changes) where CUDA cannot do it."""
+        if self.pinned:
+            return True
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return False
+            err = torch.cuda.cudart().cudaHostRegister(self.array.ctypes.data, self.array.nbytes, 0)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the copy works unpinned too
+            logger.warning("grammar bitmask not pinned (%s): its copies to the GPU stay synchronous", e)
+            return False
+        if int(getattr(err, "value", err)) != 0:
+            logger.warning("grammar bitmask not pinned (cudaHostRegister: %s)", err)
+            return False
+        self.pinned = True
+        return True
 
     def close(self) -> None:
+        if self.pinned:
+            import torch
+
+            self.pinned = False
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
         # Once only: a closed fd number is soon another file's (a double close closes that).
         fd, self.fd = self.fd, -1
         if fd >= 0:
