@@ -273,3 +273,15 @@ def test_the_callers_logits_are_left_alone():
     before = logits.clone()
     greedy_masked(logits, torch.zeros(4, 2, dtype=torch.int32))
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax_with_ties_inf_and_nan(dtype):
+    """row_argmax (max(dim).indices, faster on CPU) picks what argmax picks: the first
+    maximum, on rows full of ties, all -inf, or holding NaN."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(-3, 3, (32, 301), generator=g).to(dtype)
+    x[1] = -math.inf
+    x[2, 7] = math.nan
+    x[3, [4, 200]] = math.nan
+    assert torch.equal(S.row_argmax(x), x.argmax(-1))
