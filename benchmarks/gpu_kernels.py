@@ -35,25 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from constrained_serve.kernels import attention as A  # noqa: E402
 from constrained_serve.kernels import sampling as S  # noqa: E402
-from tests.kernel.helpers import expected_probs, make_batch  # noqa: E402
-
-CHI2_CRIT_001 = {
-    1: 10.828,
-    2: 13.816,
-    3: 16.266,
-    4: 18.467,
-    5: 20.515,
-    6: 22.458,
-    7: 24.322,
-    8: 26.124,
-    9: 27.877,
-    10: 29.588,
-    11: 31.264,
-    12: 32.909,
-    13: 34.528,
-    14: 36.123,
-    15: 37.697,
-}
+from tests.kernel.helpers import CHI2_CRIT_001, expected_probs, make_batch  # noqa: E402
 
 
 class Bench:

@@ -5,32 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Literal
 
 import pytest
 import torch
-from pydantic import BaseModel
 
 from constrained_serve import SamplingParams
 from constrained_serve.json_spans import scan
 
-
-class Person(BaseModel):
-    name: str
-    age: int
-    city: Literal["Paris", "Rome", "Oslo"]
-
-
-BOUNDED = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["ok", "n", "tag"],
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 9},
-        "tag": {"enum": ["red", "green"]},
-    },
-}
+from .specs import BOUNDED, Person
 
 
 @pytest.mark.slow

@@ -13,9 +13,11 @@ from typing import Literal
 import jsonschema
 import pydantic
 import pytest
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel
 
 from constrained_serve import GrammarError, OutputError, OutputValidationError, SamplingParams
+
+from .specs import Refused
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench"
 BASELINE = Path(__file__).resolve().parents[1] / "grammar" / "baseline_jsonschemabench.json"
@@ -118,15 +120,6 @@ def test_truncation_is_flagged_never_repaired(default_engine):
     assert r.error_type == "truncated" and "truncated" in r.error
     with pytest.raises(OutputError, match="truncated"):
         default_engine.chat(msgs, SamplingParams(max_tokens=5), schema=Invoice, raise_on_error=True)
-
-
-class Refused(BaseModel):
-    flag: bool
-
-    @field_validator("flag")
-    @classmethod
-    def never(cls, v):  # a rule JSON Schema cannot carry into the grammar
-        raise ValueError("flag is never acceptable")
 
 
 def test_valid_json_refused_by_the_pydantic_type_keeps_its_json(tiny_engine_factory):

@@ -4,9 +4,10 @@ any model work; a bad item (prompt, message, spec) fails alone."""
 
 import jsonschema
 import pytest
-from pydantic import BaseModel, field_validator
 
 from constrained_serve import GrammarError, SamplingParams
+
+from .specs import Refused
 
 
 def test_bad_items_fail_alone(tiny_engine_factory):
@@ -49,15 +50,6 @@ def test_chat_refuses_a_bare_string_or_message(tiny_engine_factory):
     for wrong in ("hello", {"role": "user", "content": "hello"}):
         with pytest.raises(TypeError, match="list of .*messages.*generate"):
             eng.chat(wrong, SamplingParams(max_tokens=2))
-
-
-class Refused(BaseModel):
-    flag: bool
-
-    @field_validator("flag")
-    @classmethod
-    def never(cls, v):  # a rule JSON Schema cannot carry into the grammar
-        raise ValueError("flag is never acceptable")
 
 
 def test_a_per_prompt_spec_the_backend_refuses_raises_grammar_error(tiny_engine_factory):

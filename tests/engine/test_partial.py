@@ -6,31 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Literal
 
 import pytest
-from pydantic import BaseModel
 
 from constrained_serve import AsyncEngine, SamplingParams
 from constrained_serve.errors import OutputError
 
-
-class Person(BaseModel):
-    name: str
-    age: int
-    city: Literal["Paris", "Rome", "Oslo"]
-
-
-BOUNDED = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["ok", "n", "tag"],
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 9},
-        "tag": {"enum": ["red", "green"]},
-    },
-}
+from .specs import BOUNDED, Person
 
 
 def test_partial_objects_sync_and_async(tiny_engine_factory):

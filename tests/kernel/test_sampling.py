@@ -15,28 +15,7 @@ from constrained_serve.kernels import sampling as S
 from constrained_serve.kernels.sampling import apply_bitmask_torch, greedy_masked, sample_torch
 from constrained_serve.sampler import step_seed
 
-from .helpers import expected_probs, require_triton
-
-# Chi-square critical values at significance 0.001, by degrees of freedom (scipy is not
-# installed). Draws are seeded, so each test is deterministic; 0.001 keeps it from being
-# brittle to a change of seeds.
-CHI2_CRIT_001 = {
-    1: 10.828,
-    2: 13.816,
-    3: 16.266,
-    4: 18.467,
-    5: 20.515,
-    6: 22.458,
-    7: 24.322,
-    8: 26.124,
-    9: 27.877,
-    10: 29.588,
-    11: 31.264,
-    12: 32.909,
-    13: 34.528,
-    14: 36.123,
-    15: 37.697,
-}
+from .helpers import CHI2_CRIT_001, expected_probs, require_triton
 
 
 def _impl(name: str):

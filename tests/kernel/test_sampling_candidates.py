@@ -12,7 +12,7 @@ import torch
 from constrained_serve.kernels import sampling as S
 from constrained_serve.kernels.sampling_candidates import CANDIDATES_MAX, candidate_rows, sample_candidates
 
-from .helpers import expected_probs, require_triton
+from .helpers import CHI2_CRIT_001, expected_probs, require_triton
 from .test_sampling import _pack, _params
 
 
@@ -85,7 +85,7 @@ def test_candidate_rows_are_sampling_rows_with_a_small_top_k():
 
 @pytest.mark.parametrize("T, k, p, mp", [(0.7, 5, 1.0, 0.0), (1.5, 6, 0.9, 0.05)])
 def test_candidate_draws_follow_the_filtered_softmax(T, k, p, mp):
-    from .test_sampling import _BASE, _MASK, _V, CHI2_CRIT_001
+    from .test_sampling import _BASE, _MASK, _V
 
     N = 3000
     logits = _BASE.repeat(N, 1)
