@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from constrained_serve.kernels import attention_triton as A  # noqa: E402
 from constrained_serve.kernels import decode_split_triton as D  # noqa: E402
-from constrained_serve.kernels import sampling as S  # noqa: E402
+from constrained_serve.kernels import sampling_triton as S  # noqa: E402
 
 
 def _i32(*names: str) -> dict[str, str]:

@@ -106,7 +106,7 @@ def sample_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 [R], overflow bool [R]) for rows that all have 0 < top_k <= k_max and
     temperature > 0; an overflow row's token is not valid (see the module docstring)."""
-    from .sampling import apply_bitmask_triton
+    from .sampling_triton import apply_bitmask_triton
 
     temperature, top_k, top_p, min_p, seeds = params
 
@@ -151,7 +151,7 @@ def sample_with_candidates(
     """The fused kernel for every row, its filters off on the candidate rows (so only its
     first pass runs there), then the candidate path for those rows; the rare row whose ties
     overflow the candidates is redone by the fused kernel with its filters."""
-    from .sampling import sample_triton
+    from .sampling_triton import sample_triton
 
     temperature, top_k, top_p, min_p, seeds = params
     rows, k_max = candidates
