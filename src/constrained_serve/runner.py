@@ -171,9 +171,8 @@ class ModelRunner:
         self.tokens_computed += int(inputs.input_ids.shape[0])
         if self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta, inputs.prompt_rows):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        if self.thread_tuner is None:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
-        t = time.perf_counter()  # synchronous on CPU, where the tuner runs
+        t = time.perf_counter()
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
-        self.thread_tuner.observe(int(inputs.input_ids.shape[0]), time.perf_counter() - t)
+        if self.thread_tuner is not None:  # CPU only, where the forward is synchronous
+            self.thread_tuner.observe(int(inputs.input_ids.shape[0]), time.perf_counter() - t)
         return out

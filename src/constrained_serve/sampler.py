@@ -139,7 +139,12 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
         min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
         seeds = torch.tensor([step_seed(r.seed, r.num_tokens) for r in requests], dtype=torch.int64)
-        rows = candidate_rows([p.temperature for p in ps], [p.top_k for p in ps], logits.shape[-1])
+        # Only the Triton sampler has a candidate path (kernels/sampling_candidates.py).
+        rows = (
+            candidate_rows([p.temperature for p in ps], [p.top_k for p in ps], logits.shape[-1])
+            if dispatch.use_triton(logits.device)
+            else []
+        )
         tokens = dispatch.sample(
             logits,
             bitmask,
