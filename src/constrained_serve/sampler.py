@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .input_staging import InputStaging
 from .kernels import dispatch
 from .kernels.sampling_candidates import candidate_rows
 from .request import Request
@@ -108,21 +109,56 @@ def record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int]]
         r.prompt_logprobs.append(entry)
 
 
+@dataclass
+class SampledTokens:
+    """A step's sampled tokens, possibly still being computed: on CUDA the ids are copied to
+    pinned host memory without blocking (one copy per step, the step's only synchronisation
+    point); ``result()`` waits for that copy alone."""
+
+    tokens: torch.Tensor  # [rows] int64, on the device: the next step's inputs read them there
+    host: torch.Tensor  # the same ids in host memory (once ``ready`` has happened)
+    ready: "torch.cuda.Event | None"  # recorded after the copy; None where it was synchronous
+    raw: RawLogprobs | None
+
+    def result(self) -> tuple[list[int], list[dict[int, float] | None] | None]:
+        """Tokens, and per row the logprobs its request asked for (None when no row asked)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.host.tolist()
+        return tokens, (self.raw.for_tokens(tokens, len(tokens)) if self.raw is not None else None)
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.staging = InputStaging(device)
 
     @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, requests: list[Request], bitmask: torch.Tensor | None
     ) -> tuple[list[int], list[dict[int, float] | None] | None]:
         """Tokens, and per row the logprobs its request asked for (None when no row asked)."""
+        return self.launch(logits, requests, bitmask).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, requests: list[Request], bitmask: torch.Tensor | None) -> SampledTokens:
+        """Sample without waiting for the device: the tokens come with ``result()``."""
         raw = RawLogprobs.of(logits, requests)  # before the penalties change the logits
-        tokens = self(logits, requests, bitmask)
-        return tokens, (raw.for_tokens(tokens, len(requests)) if raw is not None else None)
+        tokens = self.draw(logits, requests, bitmask)
+        if tokens.device.type != "cuda":
+            return SampledTokens(tokens, tokens, None, raw)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return SampledTokens(tokens, host, ready, raw)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request], bitmask: torch.Tensor | None) -> list[int]:
+        return self.draw(logits, requests, bitmask).tolist()
+
+    def draw(self, logits: torch.Tensor, requests: list[Request], bitmask: torch.Tensor | None) -> torch.Tensor:
+        """The tokens of the rows, on the logits' device (int64)."""
         ps = [r.params for r in requests]
         apply_penalties(logits, requests)
         all_greedy = all(p.temperature == 0.0 for p in ps)
@@ -132,27 +168,27 @@ class Sampler:
         if all_greedy:
             z = torch.zeros(len(ps), device=dev)
             zi = torch.zeros(len(ps), dtype=torch.int32, device=dev)
-            tokens = dispatch.sample(logits, bitmask, z, zi, z + 1, z, zi.long(), all_greedy=True)
-            return tokens.tolist()
-        temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int32)
-        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
-        min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
-        seeds = torch.tensor([step_seed(r.seed, r.num_tokens) for r in requests], dtype=torch.int64)
+            return dispatch.sample(logits, bitmask, z, zi, z + 1, z, zi.long(), all_greedy=True)
+        # Through pinned staging buffers: a copy from pageable memory would wait for the
+        # forward queued before it, and the pipelined loop has work to do meanwhile.
+        temperature, top_p, min_p = self.staging.f32.upload(
+            [[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]]
+        )
+        (top_k,) = self.staging.i32.upload([[p.top_k for p in ps]])
+        (seeds,) = self.staging.i64.upload([[step_seed(r.seed, r.num_tokens) for r in requests]])
         # Only the Triton sampler has a candidate path (kernels/sampling_candidates.py).
         rows = (
             candidate_rows([p.temperature for p in ps], [p.top_k for p in ps], logits.shape[-1])
             if dispatch.use_triton(logits.device)
             else []
         )
-        tokens = dispatch.sample(
+        return dispatch.sample(
             logits,
             bitmask,
-            temperature.to(dev),
-            top_k.to(dev),
-            top_p.to(dev),
-            min_p.to(dev),
-            seeds.to(dev),
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seeds,
             candidates=(rows, max(ps[i].top_k for i in rows)) if rows else None,
         )
-        return tokens.tolist()
