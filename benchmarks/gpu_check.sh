@@ -10,7 +10,8 @@
 #   benchmarks/gpu_check.sh --no-e2e      # kernels only
 #   benchmarks/gpu_check.sh --e2e-small   # e2e on the 1B shape only
 #   benchmarks/gpu_check.sh --quick       # the lent-GPU run, about 6 min: correctness, kernels, 1B e2e with
-#                                         # CUDA graphs on and off, structured extraction (gpu_structured.py)
+#                                         # CUDA graphs on and off, and the pipelined loop off, structured
+#                                         # extraction (gpu_structured.py)
 #   benchmarks/gpu_check.sh --cpu-smoke   # CPU, TRITON_INTERPRET=1, tiny sizes: checks this script
 # A machine without network first gets .whl/ and .gpu/tokenizer/ from benchmarks/gpu_prepare.sh.
 set -uo pipefail
@@ -85,9 +86,10 @@ if [ "$QUICK" = 1 ]; then
   run timeout 90 "$PY" benchmarks/gpu_correctness.py --config llama-3.2-1b --dtype bfloat16 --num-requests 16 --skip-grammar
   step "kernels vs references, timings"
   run timeout 90 "$PY" benchmarks/gpu_kernels.py --repeats 20 --warmup 5
-  step "end to end, 1B shape, 256 x 128/128: CUDA graphs on (vs HF), then off"
+  step "end to end, 1B shape, 256 x 128/128: CUDA graphs on (vs HF), then off, then the pipelined loop off"
   run timeout 120 "$PY" benchmarks/gpu_e2e.py --config llama-3.2-1b
   run timeout 60 "$PY" benchmarks/gpu_e2e.py --config llama-3.2-1b --no-cuda-graphs --skip-hf
+  run timeout 60 "$PY" benchmarks/gpu_e2e.py --config llama-3.2-1b --no-pipeline --skip-hf
   step "structured extraction, SmolLM2-1.7B shape, 256 requests"
   run timeout 150 "$PY" benchmarks/gpu_structured.py --repeats 1
   echo; ls -l "$OUT"
@@ -113,6 +115,8 @@ if [ "$E2E" != none ]; then
     run "$PY" benchmarks/gpu_e2e.py --config "$c" --num-requests 256 --prompt-len 128 --output-len 128
     run "$PY" benchmarks/gpu_e2e.py --config "$c" --num-requests 256 --prompt-len 128 --output-len 128 \
       --no-cuda-graphs --skip-hf
+    run "$PY" benchmarks/gpu_e2e.py --config "$c" --num-requests 256 --prompt-len 128 --output-len 128 \
+      --no-pipeline --skip-hf
   done
   step "structured extraction, SmolLM2-1.7B shape, 256 requests"
   run "$PY" benchmarks/gpu_structured.py --repeats 3

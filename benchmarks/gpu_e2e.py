@@ -162,8 +162,10 @@ def run(args: argparse.Namespace) -> dict:
             max_num_seqs=args.max_num_seqs,
             kv_cache_tokens=kv_tokens,
             cuda_graphs=not args.no_cuda_graphs,
+            pipeline=not args.no_pipeline,
         )
         report["cuda_graphs"] = engine.core.runner.graphs is not None
+        report["pipeline"] = engine.core.pipeline
         report["engine_load_s"] = round(time.perf_counter() - t0, 2)
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
 
@@ -275,6 +277,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default: all requests at once")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (Engine(cuda_graphs=False))")
+    ap.add_argument("--no-pipeline", action="store_true", help="Engine(pipeline=False)")
     ap.add_argument("--hbm-tbps", type=float, default=None, help="HBM bandwidth for the step bound (default: by name)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the report here")
@@ -292,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         tag = f"{args.config}-{report['kernels']}" + ("-eager" if args.no_cuda_graphs else "")
+        tag += "-unpipelined" if args.no_pipeline else ""
         (Path(os.environ["OUT"]) / f"gpu_e2e-{tag}.json").write_text(text)
     return 0 if report["engine"]["all_full_length"] else 1
 

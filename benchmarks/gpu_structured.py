@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> dict:
         "num_requests": args.num_requests,
         "max_tokens": args.max_tokens,
         "cuda_graphs": not args.no_cuda_graphs,
+        "pipeline": not args.no_pipeline,
     }
     convs = workload(args.num_requests, seed=args.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> dict:
             max_num_seqs=args.num_requests,
             kv_cache_tokens=args.num_requests * (400 + args.max_tokens),
             cuda_graphs=not args.no_cuda_graphs,
+            pipeline=not args.no_pipeline,
         )
         greedy = SamplingParams(max_tokens=args.max_tokens)
         engine.chat(convs[:4], greedy, schema=SCHEMA)  # warm-up: grammar workers, compile, kernels
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--no-pipeline", action="store_true", help="Engine(pipeline=False)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -84,23 +84,26 @@ class StepTimer:
 
     def __init__(self, engine) -> None:
         self.core = engine.core
-        self.steps: list[tuple[float, float, int, int]] = []  # (step s, forward s, sampling rows, tokens)
+        # (step s, forward s, sampling rows, tokens, s from the step's start to its forward's)
+        self.steps: list[tuple[float, float, int, int, float]] = []
         self._fwd = 0.0
+        self._t0 = self._before = 0.0
         self._shape = (0, 0)
         forward, step = self.core.runner.forward, self.core.step
 
         def timed_forward(inputs):
             t = time.perf_counter()
+            self._before = t - self._t0
             out = forward(inputs)
             self._fwd += time.perf_counter() - t
             self._shape = (int(inputs.logits_indices.shape[0]), int(inputs.input_ids.shape[0]))
             return out
 
         def timed_step():
-            self._fwd, self._shape = 0.0, (0, 0)
-            t = time.perf_counter()
+            self._fwd, self._shape, self._before = 0.0, (0, 0), 0.0
+            t = self._t0 = time.perf_counter()
             out = step()
-            self.steps.append((time.perf_counter() - t, self._fwd, *self._shape))
+            self.steps.append((time.perf_counter() - t, self._fwd, *self._shape, self._before))
             return out
 
         self.core.runner.forward = timed_forward
@@ -108,7 +111,12 @@ class StepTimer:
 
     def steady(self, rows: int) -> list[float]:
         """Host ms of the steps where all ``rows`` requests decode one token each."""
-        return [(s - f) * 1e3 for s, f, n, t in self.steps if n == rows and t == rows]
+        return [(s - f) * 1e3 for s, f, n, t, _ in self.steps if n == rows and t == rows]
+
+    def before_forward(self, rows: int) -> list[float]:
+        """Host ms of those steps before the forward is launched (scheduling, inputs): with
+        the pipelined loop the rest overlaps the GPU's forward, this part does not."""
+        return [b * 1e3 for s, f, n, t, b in self.steps if n == rows and t == rows]
 
 
 def run(engine, rows: int, tokens: int, constrained: bool, repeats: int, temperature: float = 0.0) -> dict:
@@ -119,7 +127,7 @@ def run(engine, rows: int, tokens: int, constrained: bool, repeats: int, tempera
     spec = {"schema": SCHEMA} if constrained else {}
     params = SamplingParams(max_tokens=tokens, ignore_eos=not constrained, temperature=temperature, seed=1)
     engine.generate(prompts[: min(8, rows)], params, **spec)  # warm up: compile, workers, allocations
-    per_round, walls = [], []
+    per_round, before, walls = [], [], []
     for _ in range(repeats):
         timer.steps.clear()
         t0 = time.perf_counter()
@@ -129,13 +137,15 @@ def run(engine, rows: int, tokens: int, constrained: bool, repeats: int, tempera
         if not host:
             raise RuntimeError(f"no steady decode step with {rows} rows (max_num_seqs too small?)")
         per_round.append(statistics.median(host))
-        fwd = statistics.median([f * 1e3 for s, f, n, t in timer.steps if n == rows and t == rows])
+        before.append(statistics.median(timer.before_forward(rows)))
+        fwd = statistics.median([f * 1e3 for s, f, n, t, _ in timer.steps if n == rows and t == rows])
     out_tokens = sum(r.usage.completion_tokens for r in results)
     return {
         "rows": rows,
         "constrained": constrained,
         "host_ms_median": statistics.median(per_round),
         "host_ms_rounds": per_round,
+        "before_forward_ms_median": statistics.median(before),
         "forward_ms_median": fwd,
         "steady_steps": len(timer.steady(rows)),
         "wall_s": statistics.median(walls),
@@ -192,7 +202,7 @@ def main() -> None:
             results.append(r)
             print(
                 f"  {rows:4d} rows {'JSON schema' if constrained else 'free text  '}: "
-                f"host {r['host_ms_median']:6.2f} ms"
+                f"host {r['host_ms_median']:6.2f} ms, {r['before_forward_ms_median']:5.2f} before the forward"
                 f"  (forward {r['forward_ms_median']:5.2f} ms, {r['steady_steps']} steady steps, "
                 f"rounds {', '.join(f'{x:.2f}' for x in r['host_ms_rounds'])})",
                 flush=True,

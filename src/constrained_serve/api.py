@@ -119,6 +119,7 @@ class Engine(EngineInputs, EngineStreaming):
             make_grammar=self._make_grammar,
             overlap=cfg.overlap,
             fast_forward=cfg.fast_forward,
+            pipeline=cfg.pipeline if cfg.pipeline is not None else dev.type == "cuda",
         )
         self._rng = random.Random(cfg.seed)
         logger.info(

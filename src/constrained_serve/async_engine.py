@@ -122,13 +122,14 @@ class _Stepper:
                         core.abort(r)
                 if any(not r.finished for w in watches for r in w.requests):
                     if core.has_work():
-                        before = core.num_steps
+                        # A step that only reads the launched step's tokens made progress too.
+                        before, reading = core.num_steps, core.awaiting_tokens
                         try:
                             core.step()
                         except Exception as e:  # noqa: BLE001 - every waiter hears of it
                             logger.exception("engine step failed")
                             error = e
-                        stepped = core.num_steps != before
+                        stepped = reading or core.num_steps != before
                     else:
                         error = RuntimeError(
                             "requests are unfinished but no longer scheduled "

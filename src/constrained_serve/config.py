@@ -33,6 +33,9 @@ class EngineConfig:
     grammar_backend: str = "llguidance"
     overlap: bool = True  # fill grammar masks while the forward runs
     fast_forward: bool = True  # append grammar-forced tokens without a decode step each
+    # Schedule and launch step N+1 before reading step N's tokens, so host work overlaps the
+    # GPU (engine.py). None: on CUDA only (on CPU the forward is synchronous: nothing to gain).
+    pipeline: bool | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None: $OMP_NUM_THREADS, else all cores
     # On CPU, run the forward on fewer threads while that is faster, e.g. when other processes
     # take cores (thread_tuner.py); num_threads is the most it uses. False: always num_threads.

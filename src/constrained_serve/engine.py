@@ -14,6 +14,18 @@ op of a step runs on one OS thread, hence one OpenMP team (a forward in a helper
 libgomp two teams contending for the cores, 2.5x slower on 2 cores), while the workers fill
 masks in their own processes. ``overlap=False`` sends the fill after the forward: it is the
 reference the overlapped loop must match token for token.
+
+Pipelining (``pipeline=True``, the default on CUDA): a step's tokens are read on the host only
+after the next step's forward is launched. The next step is scheduled with a placeholder for
+each token not read yet (``Request.pending_row``); its inputs take them from the device
+tensor of sampled ids. While the GPU runs step N+1's forward, this thread reads step N's
+tokens, advances their grammars (the mask workers then fill step N+1's masks), detokenizes
+and checks stops, so host work no longer sits between two forwards (SGLang's overlap
+scheduler, vLLM's async scheduling). The cost: a request that step N ends, or whose grammar
+forces tokens after it, has a row in step N+1 whose token is thrown away (its forced tokens
+run in step N+2). A row whose token surely ends its request by length gets no placeholder and
+is not scheduled again. On CPU the forward is synchronous, so there is nothing to overlap:
+the loop is off there unless asked for (tests check it against the plain loop).
 """
 
 from __future__ import annotations
@@ -21,23 +33,43 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .batch import Batch
 from .cache.manager import KVCacheManager
 from .detokenizer import IncrementalDetokenizer, batch_decoder
 from .interrupts import sigint_deferred
 from .request import Request
 from .runner import ModelRunner
-from .sampler import Sampler, record_prompt_logprobs
+from .sampler import SampledTokens, Sampler, record_prompt_logprobs
 from .scheduler import Scheduler
 from .step_update import StepUpdates
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from .grammar.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
+
+# In token_ids where a sampled token is not read from the device yet (pipelined loop): never
+# a token id, so nothing that compares token lists mistakes it for one.
+PLACEHOLDER = -1
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; ``_finish`` reads its
+    tokens (at once, or, pipelined, after the next step's forward is launched)."""
+
+    batch: Batch
+    requests: list[Request]  # of the sampling rows
+    sampled: SampledTokens | None  # None: no row samples
+    # Rows whose token goes on its request: False where, by the time the row was sampled,
+    # the request had ended or its grammar had forced tokens past the row's position.
+    valid: list[bool]
 
 
 class EngineCore(StepUpdates):
@@ -52,6 +84,7 @@ class EngineCore(StepUpdates):
         make_grammar: "Callable[[], GrammarManager] | None" = None,
         overlap: bool = True,
         fast_forward: bool = True,
+        pipeline: bool = False,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -66,6 +99,8 @@ class EngineCore(StepUpdates):
         self._grammar_lock = threading.Lock()
         self.overlap = overlap
         self.fast_forward = fast_forward
+        self.pipeline = pipeline
+        self._launched: LaunchedStep | None = None  # pipelined: the step whose tokens are not read yet
         self.sampler = Sampler(runner.device)
         self._decode = batch_decoder(tokenizer)
         self.device = runner.device
@@ -107,12 +142,25 @@ class EngineCore(StepUpdates):
     ) -> None:
         if r.finished:
             return
+        self._drop_placeholder(r)
         r.error, r.error_type = error, error_type
         self.scheduler.finish(r, reason)
         self.finished_queue.append(r)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._launched is not None
+
+    @property
+    def awaiting_tokens(self) -> bool:
+        """A launched step's tokens are not read yet (pipelined loop): the next step reads them."""
+        return self._launched is not None
+
+    @staticmethod
+    def _drop_placeholder(r: Request) -> None:
+        """Forget the token r waits for from the launched step (r ends before it is read)."""
+        if r.pending_row is not None:
+            r.token_ids.pop()
+            r.pending_row = None
 
     # ------------------------------------------------------------------ grammar
     def _prepare_grammars(self) -> None:
@@ -172,10 +220,12 @@ class EngineCore(StepUpdates):
         if self._masks is not None:  # a fill still running in the mask workers: their state is lost
             self._masks.abandon()
             self._masks = None
+        self._launched = None
         if self.grammar is not None:
             self.grammar.abandon_all()  # every matcher is rebuilt from its history when next used
         why = "interrupted by a second Ctrl-C in the middle of a step"
         for r in self.scheduler.drop_all():
+            self._drop_placeholder(r)
             r.finish_reason, r.error, r.error_type = "abort", why, "KeyboardInterrupt"
             self.finished_queue.append(r)
         # The conversations keep their history; their next turn recomputes its KV.
@@ -185,38 +235,80 @@ class EngineCore(StepUpdates):
     def _step(self) -> None:
         if self.grammar is not None:
             self._prepare_grammars()
+        prev = self._launched  # kept until read: a step that fails before that leaves it for the next
         batch = self.scheduler.schedule()
         if not batch:
+            if prev is not None:
+                self._finish(prev)
+                return
             if self.scheduler.running or self._only_compiling():
                 return
             # Nothing schedulable and nothing compiling: a waiting request can never fit.
             for r in list(self.scheduler.waiting):
                 self._abort(r, "abort", "request does not fit in the KV cache", "PromptTooLongError")
             return
-        inputs = self.runner.prepare(batch)
-        sampling = batch.sampling_chunks
-        reqs = [c.request for c in sampling]
-        rows = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
-        bitmask = self.grammar.step_bitmask(len(reqs)) if rows else None
-        if self.overlap:
-            # The mask workers fill the rows while the forward runs (on CUDA it is only
-            # launched here; on CPU this thread runs it and the workers use the other cores).
-            self._masks = self.grammar.fill_bitmask_async(rows, bitmask) if rows else None
-            logits = self.runner.forward(inputs)
-        else:
-            logits = self.runner.forward(inputs)
-            self._masks = self.grammar.fill_bitmask_async(rows, bitmask) if rows else None
+        prev_tokens = prev.sampled.tokens if prev is not None and prev.sampled is not None else None
+        inputs = self.runner.prepare(batch, prev_tokens)
+        reqs = [c.request for c in batch.sampling_chunks]
+        # The mask workers fill the rows while the forward runs (on CUDA it is only launched
+        # here; on CPU this thread runs it and the workers use the other cores). Pipelined,
+        # the matchers first take the previous step's tokens: the fill starts after that.
+        early = self.overlap and prev is None
+        bitmask = self._start_masks(reqs, None) if early else None
+        logits = self.runner.forward(inputs)
+        if prev is not None:
+            self._finish(prev)  # on CUDA, while the GPU runs this step's forward
+        self._account(batch)
+        valid = [not r.finished and r.num_pending == 0 for r in reqs]
+        if not early:
+            bitmask = self._start_masks(reqs, valid)
         if self._masks is not None:
             masks, self._masks = self._masks, None
-            masks.wait()  # a row whose grammar work failed allows every token; _update fails it
+            masks.wait()  # a row whose grammar work failed allows every token; _take_tokens fails it
         if inputs.prompt_rows:  # after the sampling rows; scored before penalties touch logits
             record_prompt_logprobs(logits[len(reqs) :], inputs.prompt_rows)
             logits = logits[: len(reqs)]
-        tokens, logprobs = self.sampler.sample(logits, reqs, bitmask) if reqs else ([], None)
-        self._update(batch, tokens, logprobs)
+        step = LaunchedStep(batch, reqs, self.sampler.launch(logits, reqs, bitmask) if reqs else None, valid)
         self.num_steps += 1
+        if not self.pipeline:
+            self._finish(step)
+        elif any(valid):  # else every token of it would be thrown away: nothing to read
+            for j, r in enumerate(reqs):
+                if valid[j] and not self._ends_by_length(r):
+                    r.token_ids.append(PLACEHOLDER)
+                    r.pending_row = j
+            self._launched = step
         if self.check_each_step:
             self.check_integrity()
+
+    def _start_masks(self, reqs: list[Request], valid: list[bool] | None) -> "torch.Tensor | None":
+        """The step's bitmask (every bit set), its constrained rows sent to the mask workers
+        (``self._masks``; rows not ``valid`` stay all set: their tokens are thrown away)."""
+        rows = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None and (valid is None or valid[i])]
+        if not rows:
+            return None
+        bitmask = self.grammar.step_bitmask(len(reqs))
+        self._masks = self.grammar.fill_bitmask_async(rows, bitmask)
+        return bitmask
+
+    def _ends_by_length(self, r: Request) -> bool:
+        """Will r's next token end it by max_tokens or the context length?"""
+        return r.num_output + 1 >= r.params.max_tokens or r.num_tokens + 1 >= self.max_model_len
+
+    def _finish(self, step: LaunchedStep) -> None:
+        """Read a launched step's tokens (waiting for the device) and update their requests."""
+        if step is self._launched:
+            self._launched = None
+        if step.sampled is None:
+            return
+        tokens, logprobs = step.sampled.result()
+        rows = []
+        for j, r in enumerate(step.requests):
+            if not step.valid[j] or r.finished:  # aborted since it was launched: its placeholder went then
+                continue
+            self._drop_placeholder(r)  # the token goes in its place
+            rows.append((r, tokens[j], logprobs[j] if logprobs is not None else None))
+        self._take_tokens(rows)
 
     def _only_compiling(self) -> bool:
         """Waiting requests whose grammar is not attached yet (compiling, or just done)."""

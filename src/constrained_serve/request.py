@@ -65,6 +65,9 @@ class Request:
     cache_node: "Node | None" = None  # locked radix node covering pages[:num_shared // page_size]
     num_shared: int = 0  # leading tokens whose pages are shared with the prefix cache
     status: Status = Status.WAITING
+    # Pipelined loop (engine.py): the row of the launched step whose sampled token is not read
+    # yet; token_ids ends with a placeholder for it until then.
+    pending_row: int | None = None
 
     grammar: GrammarState | None = None  # None: unconstrained
     num_forced: int = 0  # output tokens the grammar forced (not sampled)

@@ -111,7 +111,10 @@ class ModelRunner:
         a = model.arch
         return 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.empty((), dtype=kv_dtype).element_size()
 
-    def prepare(self, batch: Batch) -> ForwardInputs:
+    def prepare(self, batch: Batch, pending_tokens: torch.Tensor | None = None) -> ForwardInputs:
+        """The step's input tensors. ``pending_tokens``: the launched step's sampled ids, on
+        the device, for the placeholders of requests whose token is not read yet (engine.py's
+        pipelined loop): they are copied into the inputs there, without the host seeing them."""
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -121,11 +124,16 @@ class ModelRunner:
         logits_idx: list[int] = []
         prompt_idx: list[int] = []
         prompt_rows: list[tuple[Request, int]] = []
+        pending_at: list[int] = []  # input rows holding a placeholder
+        pending_from: list[int] = []  # their rows in pending_tokens
         max_pages = 1
         num_decodes = 0
         for c in batch.chunks:
             r = c.request
             start, end = r.num_computed, r.num_computed + c.num_new
+            if r.pending_row is not None:  # the placeholder ends token_ids, so this chunk
+                pending_at.append(len(input_ids) + r.num_tokens - 1 - start)
+                pending_from.append(r.pending_row)
             input_ids.extend(r.token_ids[start:end])
             positions.extend(range(start, end))
             pages = r.pages
@@ -149,7 +157,13 @@ class ModelRunner:
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
-        ids_t, pos_t, slots_t, rows_t = self.staging.i64.upload([input_ids, positions, slots, logits_idx + prompt_idx])
+        ids_t, pos_t, slots_t, rows_t, at_t, from_t = self.staging.i64.upload(
+            [input_ids, positions, slots, logits_idx + prompt_idx, pending_at, pending_from]
+        )
+        if pending_at:
+            if pending_tokens is None:
+                raise RuntimeError("a request waits for a sampled token, but no launched step was given")
+            ids_t[at_t] = pending_tokens[from_t].to(ids_t.dtype)
         qsl_t, lens_t, table_t = self.staging.i32.upload([qsl, seq_lens, table])
         meta = AttentionMetadata(
             query_start_loc=qsl_t,

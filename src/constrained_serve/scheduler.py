@@ -82,9 +82,11 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting.popleft()
-            if r.compiling:
+            if r.compiling or r.pending_row is not None:
                 # Its grammar is compiling, or compiled but not attached yet (the engine
-                # attaches matchers before the next schedule): let the others go ahead.
+                # attaches matchers before the next schedule), or it was preempted with its
+                # last token still on the device (engine.py's pipelined loop reads it after
+                # this schedule): let the others go ahead.
                 skipped.append(r)
                 continue
             self.kv.match_prefix(r)

@@ -68,23 +68,30 @@ class StepUpdates:
         self._emit_many(emits)
         return out
 
-    def _update(self, batch: Batch, tokens: list[int], logprobs: list | None = None) -> None:
+    def _account(self, batch: Batch) -> None:
+        """The step's chunks are computed (or queued on the device, ahead of anything that
+        reads them): count them, and publish the pages they completed."""
         ps = self.kv.page_size
         for c in batch.chunks:
             r = c.request
+            if r.finished:  # ended by the previous step's tokens (pipelined loop): pages gone
+                continue
             r.num_computed += c.num_new
             if r.num_computed // ps > (r.num_computed - c.num_new) // ps:
                 # A page completed (by a prefill chunk or a decode step): publish it to the
                 # prefix cache now, not at finish, so requests that wait on the same prefix
                 # (Scheduler._prefix_in_flight) reuse it next step.
                 self.kv.share_progress(r)
+
+    def _take_tokens(self, rows: list[tuple[Request, int, dict[int, float] | None]]) -> None:
+        """Append each row's sampled token (with its logprobs entry) to its request, then
+        advance the grammars, detokenize and check stops."""
         plain: list[tuple[Request, int]] = []
         constrained: list[tuple[Request, int]] = []
-        for j, (c, tok) in enumerate(zip(batch.sampling_chunks, tokens)):
-            r = c.request
+        for r, tok, lp in rows:
             r.token_ids.append(tok)
             if r.logprobs is not None:
-                r.logprobs.append(logprobs[j] if logprobs is not None else None)
+                r.logprobs.append(lp)
             (constrained if r.matcher is not None else plain).append((r, tok))
         # One round trip for every constrained row: accept the sampled token, then take the
         # tokens the grammar forces next (unless the token ends the request anyway).

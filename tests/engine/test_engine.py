@@ -85,7 +85,7 @@ def test_greedy_identical_across_batching_default_model(default_model_dir):
 
 
 def test_decodes_are_never_stalled_by_a_long_prefill(tiny_engine_factory):
-    eng = tiny_engine_factory(max_num_batched_tokens=16)
+    eng = tiny_engine_factory(max_num_batched_tokens=16, pipeline=False)  # runs the steps by hand
     sched = eng.core.scheduler
     from constrained_serve.request import Request
 
@@ -102,7 +102,9 @@ def test_decodes_are_never_stalled_by_a_long_prefill(tiny_engine_factory):
         # Give the batch back: undo page reservation effects are not needed, run it for real.
         inputs = eng.core.runner.prepare(batch)
         logits = eng.core.runner.forward(inputs)
-        eng.core._update(batch, eng.core.sampler(logits, [c.request for c in batch.sampling_chunks], None))
+        reqs = [c.request for c in batch.sampling_chunks]
+        eng.core._account(batch)
+        eng.core._take_tokens([(r, t, None) for r, t in zip(reqs, eng.core.sampler(logits, reqs, None))])
         assert short.num_output == before + 1
 
 
