@@ -7,9 +7,13 @@ so the forward costs next to nothing and what is left is the engine's own work: 
 building the step's tensors, the grammar round trips, sampling, appending tokens and stop
 checks. Each step is timed whole and its forward alone (``ModelRunner.forward``, synchronous
 on CPU); only steady-state steps count (every request decoding, none prefilling), and the
-figure is their median.
+figure is their median. With ``--pipeline`` (the default loop on CUDA) the host work of a
+step runs while the GPU computes the step's forward, so a GPU step takes max(forward, host)
+instead of their sum; on CPU it only reorders the work (and the masks, filled during the
+forward in the plain loop, no longer are).
 
-    python benchmarks/host_overhead.py [--rows 64 256] [--tokens 64] [--repeats 3] [--mask-workers N] [--profile]
+    python benchmarks/host_overhead.py [--rows 64 256] [--tokens 64] [--repeats 3] [--mask-workers N]
+                                       [--profile] [--pipeline]
 """
 
 from __future__ import annotations
@@ -114,8 +118,8 @@ class StepTimer:
         return [(s - f) * 1e3 for s, f, n, t, _ in self.steps if n == rows and t == rows]
 
     def before_forward(self, rows: int) -> list[float]:
-        """Host ms of those steps before the forward is launched (scheduling, inputs): with
-        the pipelined loop the rest overlaps the GPU's forward, this part does not."""
+        """Host ms of those steps before the forward is launched: scheduling and inputs (the
+        rest reads the tokens, advances grammars, fills masks and samples)."""
         return [b * 1e3 for s, f, n, t, b in self.steps if n == rows and t == rows]
 
 
@@ -175,6 +179,11 @@ def main() -> None:
         help="grammar mask worker processes (default: the engine's, 1 on CPU; on CUDA up to 8)",
     )
     ap.add_argument("--profile", action="store_true", help="cProfile the largest constrained run")
+    ap.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="the pipelined loop (CUDA's default): on a GPU a step then takes max(forward, host), not their sum",
+    )
     args = ap.parse_args()
     import torch
 
@@ -190,11 +199,12 @@ def main() -> None:
         kv_cache_tokens=biggest * (args.tokens + 64),
         grammar_backend=args.backend,
         grammar_mask_workers=args.mask_workers,
+        pipeline=args.pipeline,
     )
     results = []
     print(
         f"host ms per steady decode step (step minus forward), median of {args.repeats} rounds; "
-        f"{args.tokens} tokens per request, {engine.device}"
+        f"{args.tokens} tokens per request, {engine.device}, pipelined loop {'on' if args.pipeline else 'off'}"
     )
     for constrained in (False, True):
         for rows in args.rows:
