@@ -51,9 +51,9 @@ class EngineConfig:
     # Mask worker processes per backend, rows split over them: None is 1 on CPU (the forward
     # has the cores) and min(8, cores / 2) on CUDA (the forward runs on the GPU).
     grammar_mask_workers: int | None = None
-    # CUDA: replay all-decode steps through CUDA graphs captured at start-up (cuda_graphs.py),
-    # for batches up to cuda_graph_max_batch rows (None: max_num_seqs, at most 512). False is
-    # vLLM's enforce_eager.
+    # CUDA: replay steps of decodes and short chunks through CUDA graphs captured at start-up
+    # (cuda_graphs.py), for steps up to cuda_graph_max_batch tokens (None: max_num_seqs and a
+    # quarter more, at most 512). False is vLLM's enforce_eager.
     cuda_graphs: bool = True
     cuda_graph_max_batch: int | None = None
 
@@ -120,10 +120,12 @@ class EngineConfig:
         return self.dtype if isinstance(self.dtype, torch.dtype) else _DTYPES[self.dtype]
 
     def graph_batch(self) -> int:
-        """The largest decode batch a CUDA graph is captured for."""
+        """The largest step, in tokens, a CUDA graph is captured for: a decode row for each
+        sequence and a quarter more for short chunks of forced tokens (cuda_graphs.py)."""
+        most = self.max_num_seqs + max(8, self.max_num_seqs // 4)
         if self.cuda_graph_max_batch is not None:
-            return min(self.cuda_graph_max_batch, self.max_num_seqs)
-        return min(self.max_num_seqs, 512)
+            return min(self.cuda_graph_max_batch, most)
+        return min(most, 512)
 
     def batched_tokens(self, device: torch.device) -> int:
         if self.max_num_batched_tokens is not None:

@@ -4,8 +4,14 @@ A decode step of a small model on a large GPU is bound by kernel launches: every
 launches a dozen kernels, each costing microseconds of CPU time, so the GPU waits on Python.
 A graph replays the whole decoder stack as one launch. As in nano-vllm, SGLang and vLLM:
 
-- Only all-decode steps replay a graph (one new token per row, no prompt-logprob rows);
-  prefill and mixed steps run eagerly, since their shapes vary with every chunk.
+- Decode steps replay a graph, and so do steps whose chunks are all short (at most
+  ``MAX_UNROLLED_CHUNK`` tokens: grammar-forced tokens, the end of a prompt), as long as they
+  ask no prompt logprobs. A short chunk is unrolled into one-token rows, each attending to
+  its sequence's pages up to its own position (its context length is its position + 1), so
+  the decode kernel computes causal attention within the chunk: the K/V of the whole step
+  are stored before any row attends, in every layer. A chunk of q tokens reads its context
+  q times, which is cheap for short chunks and the price of a fixed shape. Longer prefill
+  chunks run eagerly, since their shapes vary with every chunk.
 - Graphs exist for bucket sizes 1, 2, 4, 8, then every 16 up to the largest batch; a step of
   n rows replays the smallest bucket >= n, its extra rows padded with harmless work: they
   read and write one scratch KV page that no request owns (the runner allocates it past the
@@ -34,6 +40,10 @@ from .batch import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
+# The longest chunk a graph step takes, unrolled into one-token rows (see above).
+MAX_UNROLLED_CHUNK = 16
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16 up to max_batch (and max_batch itself)."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
@@ -48,6 +58,11 @@ def graph_splits(batch: int, num_kv_heads: int, max_model_len: int, target_progr
     return int(max(1, min(by_occupancy, by_length, 32)))
 
 
+def token_context_lens(meta: AttentionMetadata) -> list[int]:
+    """Per token of the step, its context length when it is a row of its own (host side)."""
+    return [n for q, end in zip(meta.query_lens_host, meta.seq_lens_host) for n in range(end - q + 1, end + 1)]
+
+
 @dataclass
 class StaticInputs:
     """The buffers a graph reads: rows [0, n) are this step's, [n, bucket) padding."""
@@ -58,7 +73,7 @@ class StaticInputs:
     seq_lens: torch.Tensor  # int32 [M]
     block_tables: torch.Tensor  # int32 [M, max_pages]
     query_start_loc: torch.Tensor  # int32 [M + 1], 0..M: one token per row, fixed
-    rows: torch.Tensor  # int64 [M], 0..M-1: every row samples, fixed
+    rows: torch.Tensor  # int64 [M], 0..M-1: every row runs the last layer; run() picks the sampling rows
 
     @classmethod
     def allocate(cls, max_batch: int, max_pages: int, device: torch.device) -> "StaticInputs":
@@ -105,6 +120,7 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}  # per bucket: the graph's hidden states
         self.steps = 0  # all-decode steps served here, by a graph or staged eagerly
         self.replays = 0  # of which by a graph (tests and benchmarks read both)
+        self.unrolled = 0  # of which had chunks of several tokens
         self._pad_from(0, self.max_batch)
 
     # ------------------------------------------------------------------ which steps
@@ -112,11 +128,11 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def fits(self, input_ids: torch.Tensor, meta: AttentionMetadata, prompt_rows: list) -> bool:
-        """An all-decode step (every row one token, every row samples) within the buckets."""
+        """A step of short chunks (decodes, forced tokens) within the buckets, counted in tokens."""
         n = int(input_ids.shape[0])
         return (
             0 < n <= self.max_batch
-            and meta.num_decodes == meta.num_seqs == n
+            and meta.max_query_len <= MAX_UNROLLED_CHUNK
             and not prompt_rows
             and meta.block_tables.shape[1] <= self.max_pages
         )
@@ -140,10 +156,18 @@ class DecodeGraphs:
         s.input_ids[:n].copy_(input_ids, non_blocking=True)
         s.positions[:n].copy_(positions, non_blocking=True)
         s.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        s.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         # Columns past this step's width keep older ids: the kernels read a row's pages only
         # up to its context length.
-        s.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        if meta.num_decodes == meta.num_seqs:  # one token a sequence: rows are sequences
+            s.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+            s.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        else:  # unrolled: each token a row with its sequence's pages, causal by its position
+            s.seq_lens[:n].copy_(positions + 1)
+            seq_of_token = torch.repeat_interleave(
+                torch.arange(meta.num_seqs, device=positions.device), meta.query_start_loc.diff(), output_size=n
+            )
+            s.block_tables[:n, :width].copy_(meta.block_tables.index_select(0, seq_of_token))
         self._pad_from(n, bucket)
         return bucket
 
@@ -169,21 +193,23 @@ class DecodeGraphs:
         )
 
     # ------------------------------------------------------------------ running
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [n, vocab] of an all-decode step (``fits``): the bucket's graph replayed,
-        or, before capture (or on CPU), the same padded step run eagerly."""
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits of the ``logits_indices`` rows of a step that ``fits``: the bucket's graph
+        replayed, or, before capture (or on CPU), the same padded step run eagerly."""
         n = int(input_ids.shape[0])
         bucket = self._stage(input_ids, positions, meta)
         self.steps += 1
+        self.unrolled += meta.num_decodes != meta.num_seqs
         graph = self.graphs.get(bucket)
         if graph is not None:
             graph.replay()
             self.replays += 1
-            hidden = self.outputs[bucket][:n]
+            hidden = self.outputs[bucket]
         else:
-            lens = list(meta.seq_lens_host) + [1] * (bucket - n)
-            hidden = self._hidden(bucket, self._meta(bucket, lens))[:n]
-        return self.model.logits(hidden)
+            hidden = self._hidden(bucket, self._meta(bucket, token_context_lens(meta) + [1] * (bucket - n)))
+        return self.model.logits(hidden.index_select(0, logits_indices))
 
     def capture(self) -> None:
         """Capture every bucket, largest first, in one shared memory pool. Each bucket runs

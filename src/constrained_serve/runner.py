@@ -184,7 +184,7 @@ class ModelRunner:
         """Logits [num_sampling_rows, vocab] (fp32). On CUDA this returns before the GPU is done."""
         self.tokens_computed += int(inputs.input_ids.shape[0])
         if self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta, inputs.prompt_rows):
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
         t = time.perf_counter()
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
         if self.thread_tuner is not None:  # CPU only, where the forward is synchronous
