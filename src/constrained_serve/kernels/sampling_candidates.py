@@ -148,34 +148,37 @@ def sample_with_candidates(
     candidates: tuple[list[int], int],
     **kernel_options: Any,
 ) -> torch.Tensor:
-    """The fused kernel for every row, its filters off on the candidate rows (so only its
-    first pass runs there), then the candidate path for those rows; the rare row whose ties
-    overflow the candidates is redone by the fused kernel with its filters."""
+    """The candidate path for the candidate rows, then the fused kernel for every row, its
+    filters off on the candidate rows the candidates decided (only its first pass runs there,
+    and its token is dropped): the rare row whose ties overflow its candidates is redone by
+    the fused kernel with its filters, all without the host looking at the device."""
     from .sampling_triton import sample_triton
 
     temperature, top_k, top_p, min_p, seeds = params
     rows, k_max = candidates
-    idx = torch.tensor(rows, device=logits.device)
-    on = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    on[idx] = True
-    kw = kernel_options
+    # Pinned, so the copy does not wait for the work queued before it (the pipelined loop
+    # prepares the next step meanwhile).
+    idx = torch.tensor(rows, dtype=torch.int64)
+    if logits.device.type == "cuda":
+        idx = idx.pin_memory()
+    idx = idx.to(logits.device, non_blocking=True)
+
+    def sub(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, idx)
+
+    tokens, overflow = sample_candidates(sub(logits), sub(bitmask), tuple(sub(t) for t in params), k_max)
+    decided = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    decided[idx] = ~overflow
     out = sample_triton(
         logits,
         bitmask,
         temperature,
-        torch.where(on, 0, top_k),
-        torch.where(on, 1.0, top_p),
-        torch.where(on, 0.0, min_p),
+        torch.where(decided, 0, top_k),
+        torch.where(decided, 1.0, top_p),
+        torch.where(decided, 0.0, min_p),
         seeds,
-        **kw,
+        **kernel_options,
     )
-
-    def sub(t: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor | None:
-        return None if t is None else t.index_select(0, at)
-
-    tokens, overflow = sample_candidates(sub(logits, idx), sub(bitmask, idx), tuple(sub(t, idx) for t in params), k_max)
-    out[idx] = tokens
-    if bool(overflow.any()):  # the step reads its tokens on the host next anyway
-        o = idx[overflow]
-        out[o] = sample_triton(sub(logits, o), sub(bitmask, o), *(sub(t, o) for t in params), **kw)
-    return out
+    picked = torch.zeros_like(out)
+    picked[idx] = tokens
+    return torch.where(decided, picked, out)
