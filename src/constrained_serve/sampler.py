@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .input_staging import InputStaging
+from .input_staging import InputStaging, to_device
 from .kernels import dispatch
 from .kernels.sampling_candidates import candidate_rows
 from .request import Request
@@ -41,11 +41,11 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     def unique_pairs(token_lists: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         keys = torch.tensor([i * vocab + t for i, toks in token_lists for t in toks], dtype=torch.int64)
         keys, counts = keys.unique(return_counts=True)
-        keys, counts = keys.to(dev), counts.to(dev)
+        keys, counts = to_device(keys, dev), to_device(counts, dev)
         return keys // vocab, keys % vocab, counts
 
     def per_row(name: str) -> torch.Tensor:  # one value per batch row (rows without penalties: unused)
-        return torch.tensor([getattr(r.params, name) for r in requests], dtype=torch.float32, device=dev)
+        return to_device(torch.tensor([getattr(r.params, name) for r in requests], dtype=torch.float32), dev)
 
     rep = [(i, r.token_ids) for i, r in rows if r.params.repetition_penalty != 1.0]
     if rep:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..input_staging import to_device
 from ._triton import HAS_TRITON, tl, triton
 
 # Rows with a top_k up to this take the candidate path on GPU.
@@ -156,12 +157,7 @@ def sample_with_candidates(
 
     temperature, top_k, top_p, min_p, seeds = params
     rows, k_max = candidates
-    # Pinned, so the copy does not wait for the work queued before it (the pipelined loop
-    # prepares the next step meanwhile).
-    idx = torch.tensor(rows, dtype=torch.int64)
-    if logits.device.type == "cuda":
-        idx = idx.pin_memory()
-    idx = idx.to(logits.device, non_blocking=True)
+    idx = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
 
     def sub(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.index_select(0, idx)
