@@ -1,5 +1,6 @@
 """Output specs shared by the engine tests: a Pydantic person, a small bounded JSON Schema,
-and a model whose validator refuses every value (a rule JSON Schema cannot carry)."""
+a record whose keys the grammar forces (fast-forward), and a model whose validator refuses
+every value (a rule JSON Schema cannot carry)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,17 @@ BOUNDED = {
         "n": {"type": "integer", "minimum": 0, "maximum": 9},
         "tag": {"enum": ["red", "green"]},
     },
+}
+
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "n": {"type": "integer"},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "n", "ok"],
 }
 
 

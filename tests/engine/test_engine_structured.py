@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from constrained_serve import GrammarError, OutputError, OutputValidationError, SamplingParams
 
-from .specs import Refused
+from .specs import RECORD, Refused
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench"
 BASELINE = Path(__file__).resolve().parents[1] / "grammar" / "baseline_jsonschemabench.json"
@@ -179,15 +179,7 @@ def test_truncated_complete_match_says_it_may_be_cut(tiny_engine_factory):
 
 
 def test_overlapped_and_synchronous_loops_give_identical_tokens(tiny_engine_factory):
-    schema = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "n": {"type": "integer"},
-            "ok": {"type": "boolean"},
-        },
-        "required": ["name", "n", "ok"],
-    }
+    schema = RECORD
     prompts = [f"record {i}:" for i in range(6)]
     outs = []
     for overlap in (True, False):

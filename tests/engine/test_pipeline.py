@@ -10,15 +10,7 @@ from constrained_serve import SamplingParams
 from constrained_serve.engine import PLACEHOLDER
 from constrained_serve.request import Request
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "n": {"type": "integer"},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "n", "ok"],
-}
+from .specs import RECORD
 
 
 def _both(factory, prompts, params, **kw):
@@ -28,7 +20,7 @@ def _both(factory, prompts, params, **kw):
     for pipeline in (False, True):
         eng = factory(pipeline=pipeline, **kw)
         eng.core.check_each_step = True
-        runs.append((eng.generate(prompts, params, schema=kw.get("schema_list")), eng))
+        runs.append((eng.generate(prompts, params), eng))
     return runs
 
 
@@ -65,7 +57,7 @@ def test_matches_the_plain_loop_through_preemption_stops_and_the_prefix_cache(ti
 
 def test_matches_the_plain_loop_with_grammars_and_forced_tokens(tiny_engine_factory):
     prompts = [f"record {i}:" for i in range(8)]
-    schemas = [SCHEMA, None, SCHEMA, SCHEMA, None, SCHEMA, SCHEMA, SCHEMA]
+    schemas = [RECORD, None, RECORD, RECORD, None, RECORD, RECORD, RECORD]
     outs = []
     for pipeline in (False, True):
         eng = tiny_engine_factory(pipeline=pipeline)
