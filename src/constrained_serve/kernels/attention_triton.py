@@ -126,32 +126,40 @@ if HAS_TRITON:
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
             bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
-            for start in range(0, kv_end, BLOCK_N):
-                acc, m_i, l_i = _attn_tile(
-                    q,
-                    acc,
-                    m_i,
-                    l_i,
-                    k_cache_ptr,
-                    v_cache_ptr,
-                    bt_row_ptr,
-                    start,
-                    kv_end,
-                    q_pos,
-                    kvh,
-                    scale_log2,
-                    stride_kp,
-                    stride_ks,
-                    stride_kh,
-                    stride_vp,
-                    stride_vs,
-                    stride_vh,
-                    HEAD_DIM,
-                    PAGE_SIZE,
-                    BLOCK_N,
-                    True,
-                    DOT_FP32,
-                )
+            # Key tiles every row of the block sees (they end at or before the first row's
+            # position) skip the causal mask; only the tiles on the diagonal apply it.
+            full_end = tl.minimum(kv_end, ((ctx + qb * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N)
+            for phase in tl.static_range(2):  # unrolled: the mask is a compile-time choice
+                if phase == 0:
+                    lo, hi = 0, full_end
+                else:
+                    lo, hi = full_end, kv_end
+                for start in range(lo, hi, BLOCK_N):
+                    acc, m_i, l_i = _attn_tile(
+                        q,
+                        acc,
+                        m_i,
+                        l_i,
+                        k_cache_ptr,
+                        v_cache_ptr,
+                        bt_row_ptr,
+                        start,
+                        kv_end,
+                        q_pos,
+                        kvh,
+                        scale_log2,
+                        stride_kp,
+                        stride_ks,
+                        stride_kh,
+                        stride_vp,
+                        stride_vs,
+                        stride_vh,
+                        HEAD_DIM,
+                        PAGE_SIZE,
+                        BLOCK_N,
+                        phase == 1,
+                        DOT_FP32,
+                    )
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(
                 out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
