@@ -52,6 +52,7 @@ if [ "$SMOKE" = 1 ]; then
   run "$PY" -m pytest -q tests/kernel
   step "gpu_kernels.py --cpu-smoke"
   run "$PY" benchmarks/gpu_kernels.py --cpu-smoke
+  run "$PY" benchmarks/gpu_kernels.py --cpu-smoke --sweep-only
   step "compile check, frontend only (no GPU needed)"
   TRITON_INTERPRET=0 run "$PY" benchmarks/compile_check.py --frontend-only --arch 90 --json "$OUT/compile_check.json"
   step "gpu_correctness.py on a tiny config (CPU): engine vs HF greedy, chunked prefill, preemption, prefix cache, grammars"
@@ -86,6 +87,8 @@ if [ "$QUICK" = 1 ]; then
   run timeout 90 "$PY" benchmarks/gpu_correctness.py --config llama-3.2-1b --dtype bfloat16 --num-requests 16 --skip-grammar
   step "kernels vs references, timings"
   run timeout 90 "$PY" benchmarks/gpu_kernels.py --repeats 20 --warmup 5
+  step "attention launch settings against SDPA (to choose this GPU's defaults)"
+  run timeout 90 "$PY" benchmarks/gpu_kernels.py --sweep-only --repeats 10 --warmup 3
   step "end to end, 1B shape, 256 x 128/128: CUDA graphs on (vs HF), then off, then the pipelined loop off"
   run timeout 120 "$PY" benchmarks/gpu_e2e.py --config llama-3.2-1b
   run timeout 60 "$PY" benchmarks/gpu_e2e.py --config llama-3.2-1b --no-cuda-graphs --skip-hf
@@ -104,8 +107,8 @@ step "correctness first: engine vs HF greedy on the same weights (std 0.2), Llam
 run "$PY" benchmarks/gpu_correctness.py --config llama-3.2-1b --dtype float32
 run "$PY" benchmarks/gpu_correctness.py --config llama-3.2-1b --dtype bfloat16
 
-step "kernels vs references on CUDA, and timings"
-run "$PY" benchmarks/gpu_kernels.py
+step "kernels vs references on CUDA, timings, and the attention's launch settings"
+run "$PY" benchmarks/gpu_kernels.py --sweep
 
 if [ "$E2E" != none ]; then
   configs="llama-3.2-1b"

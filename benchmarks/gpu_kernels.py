@@ -248,6 +248,53 @@ def attention_timings(b: Bench, smoke: bool) -> None:
     )
 
 
+def attention_sweep(b: Bench, smoke: bool) -> None:
+    """Launch settings of the Triton attention against SDPA, to choose the defaults for this
+    GPU: prefill (rows per program, keys per tile, warps, pipeline stages) and decode (splits,
+    warps). Each setting is one more ``attention_*_sweep`` row; the best is printed."""
+    import itertools
+
+    dev = b.device
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    hkv, grp, d, ps = (2, 2, 64, 16) if smoke else (8, 4, 128, 16)
+    scale = d**-0.5
+    B, n = (1, 32) if smoke else (4, 2048)
+    q, kc, vc, meta = _paged([n] * B, [n] * B, ps, hkv, grp, d, dt, dev)
+    pages = meta.block_tables[:, : -(-n // ps)].long()
+    kd = kc[pages].reshape(B, -1, hkv, d)[:, :n].transpose(1, 2).contiguous()
+    vd = vc[pages].reshape(B, -1, hkv, d)[:, :n].transpose(1, 2).contiguous()
+    qd = q.view(B, n, hkv * grp, d).transpose(1, 2).contiguous()
+    sdpa = b.time_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale, is_causal=True, enable_gqa=True))
+    grid = [(16,), (16,), (4,), (1,)] if smoke else [(64, 128), (32, 64, 128), (4, 8), (2, 3)]
+    rows = []
+    for bm, bn, warps, stages in itertools.product(*grid):
+        opts = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        try:
+            ms = b.time_ms(lambda: A.paged_attention_triton(q, kc, vc, meta, scale, **opts))
+        except Exception as e:  # noqa: BLE001 - a setting that does not fit this GPU (shared memory)
+            rows.append({"name": "attention_prefill_sweep", **opts, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        rows.append({"name": "attention_prefill_sweep", "batch": B, "chunk": n, **opts, "triton_ms": round(ms, 4)})
+        rows[-1]["speedup_vs_sdpa_contiguous"] = round(sdpa / ms, 3)
+    B, L = (4, 64) if smoke else (256, 1024)
+    q, kc, vc, meta = _paged([1] * B, [L] * B, ps, hkv, grp, d, dt, dev)
+    pages = meta.block_tables[:, : -(-L // ps)].long()
+    kd = kc[pages].reshape(B, -1, hkv, d)[:, :L].transpose(1, 2).contiguous()
+    vd = vc[pages].reshape(B, -1, hkv, d)[:, :L].transpose(1, 2).contiguous()
+    qd = q.view(B, hkv * grp, 1, d)
+    sdpa = b.time_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True))
+    for splits, warps in itertools.product(*([(1, 2), (4,)] if smoke else [(1, 2, 4, 8), (2, 4, 8)])):
+        opts = dict(num_splits=splits, num_warps=warps)
+        ms = b.time_ms(lambda: A.paged_attention_triton(q, kc, vc, meta, scale, **opts))
+        rows.append({"name": "attention_decode_sweep", "batch": B, "ctx": L, **opts, "triton_ms": round(ms, 4)})
+        rows[-1]["speedup_vs_sdpa_contiguous"] = round(sdpa / ms, 3)
+    b.timings.extend(rows)
+    for name in ("attention_prefill_sweep", "attention_decode_sweep"):
+        timed = [r for r in rows if r["name"] == name and "triton_ms" in r]
+        best = min(timed, key=lambda r: r["triton_ms"])
+        print("BEST " + json.dumps(best), flush=True)
+
+
 # ------------------------------------------------------------------------------- sampling
 
 
@@ -411,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--no-timings", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time the attention's launch settings (attention_sweep)")
+    ap.add_argument("--sweep-only", action="store_true", help="the sweep alone: no checks, no other timings")
     ap.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
@@ -422,11 +471,14 @@ def main(argv: list[str] | None = None) -> int:
         dev, args.repeats or (2 if smoke else 30), args.warmup if args.warmup is not None else (1 if smoke else 5)
     )
     torch.manual_seed(0)
-    attention_checks(b, smoke)
-    sampling_checks(b, smoke)
-    if not args.no_timings:
-        attention_timings(b, smoke)
-        sampling_timings(b, smoke)
+    if not args.sweep_only:
+        attention_checks(b, smoke)
+        sampling_checks(b, smoke)
+        if not args.no_timings:
+            attention_timings(b, smoke)
+            sampling_timings(b, smoke)
+    if args.sweep or args.sweep_only:
+        attention_sweep(b, smoke)
     gpu = "cpu-interpreter" if smoke else torch.cuda.get_device_name(0)
     import triton
 
@@ -444,13 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = json.dumps(report, indent=1)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
-    name = f"{_dt.date.today().isoformat()}-{slug}.json"
+    name = f"{_dt.date.today().isoformat()}-{slug}{'-sweep' if args.sweep_only else ''}.json"
     if not smoke:
         Path(args.results_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.results_dir) / name).write_text(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / ("gpu_kernels_smoke.json" if smoke else "gpu_kernels.json")).write_text(text)
+        stem = "gpu_kernels" + ("_sweep" if args.sweep_only else "") + ("_smoke" if smoke else "")
+        (Path(os.environ["OUT"]) / f"{stem}.json").write_text(text)
     print(f"checks: {report['checks_passed']} passed, {report['checks_failed']} failed", flush=True)
     return 1 if report["checks_failed"] else 0
 
