@@ -265,7 +265,7 @@ def attention_sweep(b: Bench, smoke: bool) -> None:
     vd = vc[pages].reshape(B, -1, hkv, d)[:, :n].transpose(1, 2).contiguous()
     qd = q.view(B, n, hkv * grp, d).transpose(1, 2).contiguous()
     sdpa = b.time_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale, is_causal=True, enable_gqa=True))
-    grid = [(16,), (16,), (4,), (1,)] if smoke else [(64, 128), (32, 64, 128), (4, 8), (2, 3)]
+    grid = [(16,), (16,), (4,), (1,)] if smoke else [(64, 128), (64, 128), (4, 8), (2, 3)]
     rows = []
     for bm, bn, warps, stages in itertools.product(*grid):
         opts = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
@@ -283,7 +283,7 @@ def attention_sweep(b: Bench, smoke: bool) -> None:
     vd = vc[pages].reshape(B, -1, hkv, d)[:, :L].transpose(1, 2).contiguous()
     qd = q.view(B, hkv * grp, 1, d)
     sdpa = b.time_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True))
-    for splits, warps in itertools.product(*([(1, 2), (4,)] if smoke else [(1, 2, 4, 8), (2, 4, 8)])):
+    for splits, warps in itertools.product(*([(1, 2), (4,)] if smoke else [(1, 2, 4, 8), (4, 8)])):
         opts = dict(num_splits=splits, num_warps=warps)
         ms = b.time_ms(lambda: A.paged_attention_triton(q, kc, vc, meta, scale, **opts))
         rows.append({"name": "attention_decode_sweep", "batch": B, "ctx": L, **opts, "triton_ms": round(ms, 4)})
