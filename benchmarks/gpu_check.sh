@@ -68,6 +68,8 @@ if [ "$SMOKE" = 1 ]; then
     echo "constrained_serve.Engine is not importable here yet: checking the script parses only"
     run "$PY" benchmarks/gpu_e2e.py --help >/dev/null
   fi
+  step "summary against the targets"
+  run "$PY" benchmarks/gpu_summary.py "$OUT"
   echo; [ $status = 0 ] && echo "cpu smoke: OK" || echo "cpu smoke: FAILED"
   exit $status
 fi
@@ -96,6 +98,8 @@ if [ "$QUICK" = 1 ]; then
   step "structured extraction, SmolLM2-1.7B shape, 256 requests"
   run timeout 150 "$PY" benchmarks/gpu_structured.py --repeats 1
   echo; ls -l "$OUT"
+  step "summary against the targets"
+  "$PY" benchmarks/gpu_summary.py "$OUT"
   [ $status = 0 ] && echo "gpu check --quick: OK" || echo "gpu check --quick: FAILED"
   exit $status
 fi
@@ -126,5 +130,7 @@ if [ "$E2E" != none ]; then
 fi
 
 echo; ls -l "$OUT"
+step "summary against the targets"
+"$PY" benchmarks/gpu_summary.py "$OUT"
 [ $status = 0 ] && echo "gpu check: OK" || echo "gpu check: FAILED"
 exit $status

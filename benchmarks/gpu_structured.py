@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     paths = [args.json]
     if os.environ.get("OUT"):
-        paths.append(str(Path(os.environ["OUT"]) / f"gpu_structured-{args.config}.json"))
+        tag = args.config + ("-unpipelined" if args.no_pipeline else "")
+        paths.append(str(Path(os.environ["OUT"]) / f"gpu_structured-{tag}.json"))
     for path in filter(None, paths):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
