@@ -20,13 +20,31 @@ from llguidance import LLMatcher, LLTokenizer
 
 from ..errors import GrammarError
 from ..params import OutputSpec
-from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width
+from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, allowed_tokens, bitmask_width
 from .gbnf import gbnf_for_backend
 from .tokenizer_data import TokenizerData
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
+
+# llguidance stops one mask computation after this much lexer work, with "lexer error: too
+# many expressions constructed". Its default (200k, about 14 ms) refused, mid-decoding, a
+# schema whose first mask inside a string builds many lexer states at once (anyOf branches
+# whose string has maxLength and a long alternation pattern: 700k+ needed). The engine's
+# mask deadline (grammar_mask_timeout_s, 0.5 s by default) bounds the time anyway, so the
+# fuel allows about 140 ms: the state is built once and later masks reuse it.
+STEP_LEXER_FUEL = 2_000_000
+
+
+# The submit-time probe (LLGuidanceBackend._probe): how far it walks, and how many allowed
+# tokens it looks at to tell fixed bytes from a choice.
+_PROBE_STEPS = 32
+_PROBE_NARROW = 16
+
+
+def _limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL)
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -200,9 +218,10 @@ class LLGuidanceBackend(GrammarBackend):
     def compile(self, spec: OutputSpec) -> CompiledGrammar:
         t0 = time.perf_counter()
         grammar = self.grammar_text(spec)
-        template = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        template = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_limits())
         if template.is_error():
             raise self._error(spec, _located(spec, template.get_error()))
+        self._probe(spec, template)
         warnings = list(template.get_grammar_warnings())
         if spec.is_json and not spec.strict and '"oneOf"' in spec.text:
             # llguidance coerces silently; say so, as for every other approximation
@@ -214,8 +233,37 @@ class LLGuidanceBackend(GrammarBackend):
             logger.warning("llguidance approximates %s spec: %s", spec.kind, "; ".join(warnings))
         return CompiledGrammar(self.name, spec, template, time.perf_counter() - t0, warnings, payload=grammar)
 
+    def _probe(self, spec: OutputSpec, template: LLMatcher) -> None:
+        """Compute, at submit, the masks a request needs first: llguidance builds its lexer
+        lazily, so a spec it cannot lex (past the fuel above) would otherwise fail only when
+        a request reaches that place. The walk follows the spec's fixed start (forced tokens,
+        and masks whose few tokens all spell starts of the same fixed bytes: the longest is
+        taken) to the first real choice, and computes that mask too. Deeper places are not
+        walked: a spec can still fail there, mid-decoding, as the request's own error."""
+        m = template.deep_copy()
+        row = np.zeros((1, self.width), dtype=np.int32)
+        for _ in range(_PROBE_STEPS):
+            _fill_row(m, row, 0)
+            if m.is_error():
+                reason = m.get_error().split("\n", 1)[0]
+                if reason.startswith("NoExtension"):  # a dead end: the engine explains those
+                    return
+                raise self._error(spec, reason, prefix="cannot compute the first token masks of")
+            forced = list(m.compute_ff_tokens())
+            if not forced:  # fixed bytes still, if every allowed token spells a start of them
+                ids = [int(t) for t in np.flatnonzero(allowed_tokens(row[0], self.vocab_size)) if t not in self._eos]
+                if not ids or len(ids) > _PROBE_NARROW:
+                    return  # the first real choice (or the end): its mask was computed
+                spelled = [self.ll_tokenizer.decode_bytes([t]) for t in ids]
+                longest = max(spelled, key=len)
+                if not all(longest.startswith(b) for b in spelled):
+                    return  # a choice between a few tokens
+                forced = [ids[spelled.index(longest)]]
+            if not m.consume_tokens(forced):
+                return
+
     def load(self, payload: str, spec: OutputSpec) -> CompiledGrammar:
-        template = LLMatcher(self.ll_tokenizer, payload, log_level=0)
+        template = LLMatcher(self.ll_tokenizer, payload, log_level=0, limits=_limits())
         if template.is_error():
             raise self._error(spec, template.get_error())
         return CompiledGrammar(self.name, spec, template, payload=payload)

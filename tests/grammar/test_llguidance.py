@@ -1,0 +1,71 @@
+"""llguidance's lexer limits (grammar/llguidance.py): a spec whose first masks need much lexer
+work decodes, and one llguidance cannot lex at its first mask is refused at submit."""
+
+from __future__ import annotations
+
+import pytest
+
+from constrained_serve.errors import GrammarError
+from constrained_serve.grammar import GrammarManager, make_output_spec
+from constrained_serve.grammar import llguidance as llg_backend
+
+from .conftest import MODEL_VOCAB
+
+# Cue words of three kinds of message, as a demo schema tried them: the evidence string is
+# free text around one of the words, and each anyOf branch allows its own words.
+PHRASES = [
+    "invoice|bill|statement|total|total due|amount due|payment terms|please pay|payable|balance",
+    "how do I|how can I|can I|can you|could you|please|I'd like|I would like|change|cancel|update|question",
+    "error|problem|bug|broken|crash|crashes|can't|cannot|won't|doesn't work|not working|failed|wrong|missing|"
+    "lost|late|never|down|refund|damaged|urgent|help|need|fix|order|delivery|account|password|address|plan|"
+    "subscription|login|app|package|payment",
+]
+
+
+def cue_pattern(phrases: str) -> str:
+    """Up to 20 characters, one of the phrases (capitalised or in capitals), up to 20 more."""
+    alts = "|".join(f"[{w[0].upper()}{w[0].lower()}]{w[1:]}|{w.upper()}" for w in phrases.split("|"))
+    return '^([^"\\\\]{0,20} )?(' + alts + ')([ ,.!?:;][^"\\\\]{0,20})?$'
+
+
+# With maxLength on the string, its first mask builds the lexer states of every branch at
+# once: about 500k of llguidance's lexer fuel, past its default of 200k.
+SCHEMA = {
+    "type": "object",
+    "properties": {"evidence": {"type": "string", "maxLength": 60}, "kind": {"type": "integer"}},
+    "required": ["evidence", "kind"],
+    "additionalProperties": False,
+    "anyOf": [
+        {"properties": {"evidence": {"pattern": cue_pattern(p)}, "kind": {"const": i}}} for i, p in enumerate(PHRASES)
+    ],
+}
+
+
+def test_a_spec_whose_first_masks_need_much_lexer_work_decodes(manager, tokenizer):
+    """It failed mid-decoding with "lexer error: too many expressions constructed"."""
+    m = manager.new_matcher(manager.compile(make_output_spec(schema=SCHEMA), "llguidance"))
+    bm = manager.allocate_bitmask(1)
+    ids = tokenizer.encode('{"evidence":"I can\'t log in to my account","kind":2}', add_special_tokens=False)
+    for t in ids:
+        m.fill_bitmask(bm, 0)
+        assert m.failure is None
+        assert (int(bm[0, t // 32]) >> (t % 32)) & 1, tokenizer.decode([t])
+        assert m.accept_tokens([t])
+    assert m.can_end()
+    wrong_kind = tokenizer.encode('{"evidence":"I can\'t log in","kind":0}', add_special_tokens=False)
+    assert not manager.new_matcher(manager.compile(make_output_spec(schema=SCHEMA), "llguidance")).accept_tokens(
+        wrong_kind
+    )
+
+
+def test_a_spec_llguidance_cannot_lex_at_its_first_mask_fails_at_submit(tokenizer, monkeypatch):
+    """With llguidance's own default fuel the same schema cannot be lexed: that is found at
+    compile time (the submit), not by a request mid-batch."""
+    monkeypatch.setattr(llg_backend, "STEP_LEXER_FUEL", 200_000)
+    mgr = GrammarManager(tokenizer, MODEL_VOCAB, default_backend="llguidance", isolation="inline")
+    try:
+        with pytest.raises(GrammarError, match="cannot compute the first token masks.*too many expressions"):
+            mgr.compile(make_output_spec(schema=SCHEMA))
+        mgr.compile(make_output_spec(schema={**SCHEMA, "anyOf": SCHEMA["anyOf"][:1]}))  # one branch: fine
+    finally:
+        mgr.close()
