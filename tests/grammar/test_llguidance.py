@@ -29,7 +29,7 @@ def cue_pattern(phrases: str) -> str:
 
 
 # With maxLength on the string, its first mask builds the lexer states of every branch at
-# once: about 500k of llguidance's lexer fuel, past its default of 200k.
+# once: between 200k (llguidance's default fuel, not enough) and 500k of its lexer fuel.
 SCHEMA = {
     "type": "object",
     "properties": {"evidence": {"type": "string", "maxLength": 60}, "kind": {"type": "integer"}},

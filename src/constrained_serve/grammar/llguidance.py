@@ -31,9 +31,10 @@ __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
 # llguidance stops one mask computation after this much lexer work, with "lexer error: too
 # many expressions constructed". Its default (200k, about 14 ms) refused, mid-decoding, a
 # schema whose first mask inside a string builds many lexer states at once (anyOf branches
-# whose string has maxLength and a long alternation pattern: 700k+ needed). The engine's
-# mask deadline (grammar_mask_timeout_s, 0.5 s by default) bounds the time anyway, so the
-# fuel allows about 140 ms: the state is built once and later masks reuse it.
+# whose string has maxLength and a long alternation pattern: three such branches need
+# between 200k and 500k). The engine's mask deadline (grammar_mask_timeout_s, 0.5 s by
+# default) bounds the time anyway, so the fuel allows about 140 ms: the state is built once
+# and later masks reuse it.
 STEP_LEXER_FUEL = 2_000_000
 
 
