@@ -93,6 +93,15 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def mark(self) -> tuple[int, int, int, int]:
+        """The state to ``restore`` if the tokens pushed next are taken back."""
+        return len(self.ids), self.prefix_offset, self.read_offset, len(self.text)
+
+    def restore(self, mark: tuple[int, int, int, int]) -> None:
+        n, self.prefix_offset, self.read_offset, chars = mark
+        del self.ids[n:]
+        self.text = self.text[:chars]
+
     def flush(self) -> str:
         """At the end: emit whatever is held back, even an incomplete character."""
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])

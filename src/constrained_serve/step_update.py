@@ -94,21 +94,26 @@ class StepUpdates:
                 r.logprobs.append(lp)
             (constrained if r.matcher is not None else plain).append((r, tok))
         # One round trip for every constrained row: accept the sampled token, then take the
-        # tokens the grammar forces next (unless the token ends the request anyway).
-        results = (
-            self.grammar.advance(
+        # tokens the grammar forces next (unless the token ends the request anyway). The
+        # workers run it while this thread detokenizes every row (one batched decode); a row
+        # whose grammar work fails gets its text taken back.
+        pending = (
+            self.grammar.advance_async(
                 [(r.matcher, [tok], self._ff_room(r, tok), r.params.stop_token_ids) for r, tok in constrained]
             )
             if constrained
-            else []
+            else None
         )
-        emits = [(r, [tok]) for r, tok in plain]
+        marks = [r.detok.mark() for r, _ in constrained]
+        self._emit_many([(r, [tok]) for r, tok in plain] + [(r, [tok]) for r, tok in constrained])
+        results = pending.result() if pending is not None else []
         kept = []
-        for (r, tok), res in zip(constrained, results):
+        for (r, tok), res, mark in zip(constrained, results, marks):
             if res is None:
                 # Its grammar work failed this step (a deadline, a crash, a parser limit, or a
                 # mask that allowed nothing): the token was drawn without a mask, so it goes.
                 r.token_ids.pop()
+                r.detok.restore(mark)
                 if r.logprobs is not None:
                     r.logprobs.pop()
                 why = (
@@ -118,9 +123,7 @@ class StepUpdates:
                 )
                 self._abort(r, "abort", why, "GrammarError")
                 continue
-            emits.append((r, [tok]))
             kept.append((r, tok, res))
-        self._emit_many(emits)  # one batched detokenization for the whole step
         for r, tok in plain:
             self._check_stop(r, [tok])
         forced_rows = []

@@ -24,3 +24,20 @@ def test_cut_at_stop_holds_back_a_possible_stop_start():
     assert cut_at_stop("abc s ar", ["s are"], final=True) == "abc s ar"
     assert cut_at_stop("x END y END", ["END", "y"], final=True) == "x "  # the earliest stop wins
     assert cut_at_stop("plain", [], final=False) == "plain"
+
+
+def test_restore_takes_back_pushed_tokens_even_mid_character(default_tokenizer):
+    """The engine detokenizes a step's tokens while their grammars advance, and takes a
+    token back if its grammar work failed: the text goes on as if it was never pushed."""
+    tok = default_tokenizer
+    ids = tok.encode("naïve café 🙂 done", add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        d = IncrementalDetokenizer(tok)
+        d.push(ids[:cut])
+        mark = d.mark()
+        d.push([ids[cut]])
+        d.push(tok.encode(" wrong", add_special_tokens=False))
+        d.restore(mark)
+        d.push(ids[cut:])
+        d.flush()
+        assert d.text == tok.decode(ids), cut

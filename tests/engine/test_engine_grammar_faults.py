@@ -49,6 +49,9 @@ def test_runaway_grammar_fails_alone_and_the_batch_finishes(tiny_engine_factory)
     for r in (rs[0], rs[4]):
         assert r.finish_reason == "abort" and r.error_type == "GrammarError", r
         assert "deadline of 0.5 s" in r.error and "killed" in r.error, r.error
+        # The token whose grammar work failed is taken back, its text too (it was
+        # detokenized while the grammars advanced).
+        assert r.text == eng.tokenizer.decode(r.token_ids, skip_special_tokens=True), r
     person = rs[1]
     if person.finish_reason == "stop":
         jsonschema.validate(person.json, PERSON)

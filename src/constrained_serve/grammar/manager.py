@@ -52,7 +52,7 @@ from .base import CompiledGrammar, bitmask_width
 from .compiling import BACKENDS, CacheKey, GrammarCompiling, spec_shape
 from .host import InlineClient
 from .masks import GrammarMasks
-from .matchers import Advance, MatcherHandle, PendingMasks, _Batch, _Entry, _Live
+from .matchers import Advance, MatcherHandle, PendingAdvance, PendingMasks, _Batch, _Entry, _Live
 from .tokenizer_data import TokenizerData
 from .worker import SharedBitmask, WorkerClient
 
@@ -227,17 +227,25 @@ class GrammarManager(GrammarCompiling, GrammarMasks):
                 self.evict(h.compiled)
 
     def _run(self, entries: list[_Entry]) -> list[_Entry]:
+        batch = self._submit(entries)
+        try:
+            batch.collect()
+        except BaseException:
+            batch.abandon()
+            raise
+        return entries
+
+    def _submit(self, entries: list[_Entry]) -> _Batch:
         self._settle_prefill()
         for e in entries:  # the operation changes (or may change) the matcher's state
             e.handle.prefilled = None
         batch = _Batch(self, entries)
         try:
             batch.submit()
-            batch.collect()
         except BaseException:
             batch.abandon()
             raise
-        return entries
+        return batch
 
     def _single(self, h: MatcherHandle, item: tuple) -> Any:
         """One operation on one matcher, and its state after it: one round trip."""
@@ -256,12 +264,19 @@ class GrammarManager(GrammarCompiling, GrammarMasks):
         """For each ``(handle, tokens, room, stop_ids)``: accept ``tokens``, then up to ``room``
         forced tokens (cut after the first of ``stop_ids``); one round trip per worker for
         all of them. None where the handle failed (``handle.failure`` says why)."""
+        return self.advance_async(items).result()
+
+    def advance_async(self, items: Sequence[tuple[MatcherHandle, Sequence[int], int, Sequence[int]]]) -> PendingAdvance:
+        """``advance`` sent to the workers without waiting: ``result()`` collects it."""
         entries = [
             _Entry(h, ("advance", list(toks), int(room), tuple(stop)), h.mask_timeout_s)
             for h, toks, room, stop in items
         ]
+        return PendingAdvance(self._submit(entries), lambda: self._finish_advance(entries))
+
+    def _finish_advance(self, entries: list[_Entry]) -> list[Advance | None]:
         out: list[Advance | None] = []
-        for en in self._run(entries):
+        for en in entries:
             h = en.handle
             if not en.ok:
                 out.append(None)

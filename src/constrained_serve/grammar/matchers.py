@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..params import OutputSpec
@@ -153,6 +153,25 @@ class PendingMasks:
         if self._batch is not None:
             self._batch.abandon()
             self._batch = None
+
+
+class PendingAdvance:
+    """Grammar advances being run by the workers (``GrammarManager.advance_async``): the
+    caller does other work meanwhile, then calls ``result()`` once."""
+
+    def __init__(self, batch: "_Batch", finish: Callable[[], list]):
+        self._batch: _Batch | None = batch
+        self._finish = finish
+
+    def result(self) -> list:
+        if self._batch is not None:
+            batch, self._batch = self._batch, None
+            try:
+                batch.collect()
+            except BaseException:
+                batch.abandon()
+                raise
+        return self._finish()
 
 
 class _Batch:
