@@ -30,9 +30,11 @@ the loop is off there unless asked for (tests check it against the plain loop).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,6 +59,21 @@ logger = logging.getLogger(__name__)
 # In token_ids where a sampled token is not read from the device yet (pipelined loop): never
 # a token id, so nothing that compares token lists mistakes it for one.
 PLACEHOLDER = -1
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for one step. A step of 256 rows allocates tens of
+    thousands of short-lived objects (lists, tuples, ids), and the collections they set off
+    took ~0.6 ms of a 5 ms step (host_overhead.py, 256 JSON rows: 4.5 vs 5.1 ms). Reference
+    counting frees them anyway; the collector runs at the first allocation after the step."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -195,7 +212,7 @@ class EngineCore(StepUpdates):
     def step(self) -> list[Request]:
         """Run one step; return the requests that finished during it. Ctrl-C waits for the
         step to end (interrupts.py), and aborts asked for during the step apply after it."""
-        with sigint_deferred(interrupt_on_second=True):
+        with sigint_deferred(interrupt_on_second=True), _gc_paused():
             if self.kv.pins is not None:
                 self.kv.pins.release_orphans()  # of conversations collected without close()
             self._in_step = True

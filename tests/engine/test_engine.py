@@ -236,3 +236,28 @@ def test_a_page_completed_by_decoding_is_shared_at_once(tiny_engine_factory):
         steps += 1
     assert steps <= 4 and not ra.finished
     assert rb.output_ids == alone.token_ids and rb.num_cached >= 12
+
+
+def test_the_garbage_collector_pauses_during_a_step_only(tiny_engine_factory):
+    """Steps run with the cyclic GC off (engine.py _gc_paused); the caller's setting is
+    restored after each, whether it had the collector on or off."""
+    import gc
+
+    eng = tiny_engine_factory()
+    seen = []
+    forward = eng.core.runner.forward
+
+    def spy(inputs):
+        seen.append(gc.isenabled())
+        return forward(inputs)
+
+    eng.core.runner.forward = spy
+    assert gc.isenabled()
+    eng.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        eng.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
