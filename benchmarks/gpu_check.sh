@@ -43,7 +43,7 @@ export OUT=${OUT:-benchmarks/results/out}
 mkdir -p "$OUT"
 export TRITON_DEFAULT_FP_FUSION=1
 status=0
-step() { echo; echo "=== $*"; }
+step() { echo; echo "=== $* (${SECONDS}s into the check)"; }
 run() { "$@"; local rc=$?; if [ $rc -ne 0 ]; then echo "FAILED (rc=$rc): $*"; status=1; fi; return 0; }
 
 if [ "$SMOKE" = 1 ]; then
