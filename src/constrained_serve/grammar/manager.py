@@ -227,25 +227,14 @@ class GrammarManager(GrammarCompiling, GrammarMasks):
                 self.evict(h.compiled)
 
     def _run(self, entries: list[_Entry]) -> list[_Entry]:
-        batch = self._submit(entries)
-        try:
-            batch.collect()
-        except BaseException:
-            batch.abandon()
-            raise
+        self._submit(entries).finish()
         return entries
 
     def _submit(self, entries: list[_Entry]) -> _Batch:
         self._settle_prefill()
         for e in entries:  # the operation changes (or may change) the matcher's state
             e.handle.prefilled = None
-        batch = _Batch(self, entries)
-        try:
-            batch.submit()
-        except BaseException:
-            batch.abandon()
-            raise
-        return batch
+        return _Batch(self, entries).start()
 
     def _single(self, h: MatcherHandle, item: tuple) -> Any:
         """One operation on one matcher, and its state after it: one round trip."""

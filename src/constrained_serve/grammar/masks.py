@@ -127,13 +127,7 @@ class GrammarMasks:
 
     def _submit_fills(self, rows: list[tuple[int, MatcherHandle]]) -> _Batch:
         """Send a fill of each ``(row, handle)`` to the workers, without waiting."""
-        batch = _Batch(self, [_Entry(h, ("fill", row), h.mask_timeout_s) for row, h in rows])
-        try:
-            batch.submit()
-        except BaseException:
-            batch.abandon()
-            raise
-        return batch
+        return _Batch(self, [_Entry(h, ("fill", row), h.mask_timeout_s) for row, h in rows]).start()
 
     def fill_bitmask(
         self, rows_and_handles: Sequence[tuple[int, MatcherHandle]], bitmask: torch.Tensor | np.ndarray | None = None

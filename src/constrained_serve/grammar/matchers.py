@@ -166,11 +166,7 @@ class PendingAdvance:
     def result(self) -> list:
         if self._batch is not None:
             batch, self._batch = self._batch, None
-            try:
-                batch.collect()
-            except BaseException:
-                batch.abandon()
-                raise
+            batch.finish()
         return self._finish()
 
 
@@ -240,6 +236,23 @@ class _Batch:
                     del self.todo[client]
             if self.todo:
                 self.submit()
+
+    def start(self) -> "_Batch":
+        """``submit``; the workers of a batch that fails to go out are killed."""
+        try:
+            self.submit()
+        except BaseException:
+            self.abandon()
+            raise
+        return self
+
+    def finish(self) -> None:
+        """``collect``; the workers of a batch that fails to come back are killed."""
+        try:
+            self.collect()
+        except BaseException:
+            self.abandon()
+            raise
 
     def abandon(self) -> None:
         for client in self.sent:
