@@ -171,17 +171,12 @@ class Sampler:
             return dispatch.sample(logits, bitmask, z, zi, z + 1, z, zi.long(), all_greedy=True)
         # Through pinned staging buffers: a copy from pageable memory would wait for the
         # forward queued before it, and the pipelined loop has work to do meanwhile.
-        temperature, top_p, min_p = self.staging.f32.upload(
-            [[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]]
-        )
-        (top_k,) = self.staging.i32.upload([[p.top_k for p in ps]])
+        temps, ks = [p.temperature for p in ps], [p.top_k for p in ps]
+        temperature, top_p, min_p = self.staging.f32.upload([temps, [p.top_p for p in ps], [p.min_p for p in ps]])
+        (top_k,) = self.staging.i32.upload([ks])
         (seeds,) = self.staging.i64.upload([[step_seed(r.seed, r.num_tokens) for r in requests]])
         # Only the Triton sampler has a candidate path (kernels/sampling_candidates.py).
-        rows = (
-            candidate_rows([p.temperature for p in ps], [p.top_k for p in ps], logits.shape[-1])
-            if dispatch.use_triton(logits.device)
-            else []
-        )
+        rows = candidate_rows(temps, ks, logits.shape[-1]) if dispatch.use_triton(logits.device) else []
         return dispatch.sample(
             logits,
             bitmask,
