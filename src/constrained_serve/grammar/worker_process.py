@@ -19,6 +19,11 @@ import numpy as np
 
 from .shared_memory import PAGE, ProgressCell
 
+# The CPU time stamped before an item is read again only after this long: the engine's clock
+# (/proc) ticks every 10 ms and allows a tick of slack, so a reading up to 1 ms old changes no
+# deadline, and the syscall would cost more than most items (a few us each, 256 a step).
+CPU_REREAD_S = 0.001
+
 
 class _Records(logging.Handler):
     """Collects the worker's log records; each reply carries them to the engine's logging."""
@@ -81,6 +86,7 @@ def main(argv: list[str]) -> None:
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", os.getpid()))
+    cpu_read = [-1.0, 0.0]  # when the CPU time was last read, and its value
     while True:
         try:
             seq, items = conn.recv()
@@ -88,8 +94,11 @@ def main(argv: list[str]) -> None:
             return  # the engine closed the connection: done
 
         def stamp(i: int, seq: int = seq) -> None:
-            t = os.times()  # user + system in clock ticks, as the engine reads /proc: one clock
-            progress.write(seq, i, time.monotonic(), t.user + t.system)
+            now = time.monotonic()
+            if now - cpu_read[0] > CPU_REREAD_S:
+                t = os.times()  # user + system in clock ticks, as the engine reads /proc: one clock
+                cpu_read[0], cpu_read[1] = now, t.user + t.system
+            progress.write(seq, i, now, cpu_read[1])
 
         results = host.run(items, stamp)
         stamp(len(items))
