@@ -509,3 +509,28 @@ def test_prefilled_masks_are_used_while_fresh_and_refilled_when_stale(manager, b
     assert manager.stats["prefilled_rows"] == used + 1  # b only
     assert torch.equal(bm, expected)
     assert not torch.equal(bm[0], bm[2])  # a moved on: its old mask was c's
+
+
+def test_a_fill_of_prefilled_rows_waits_for_the_prefill_only_in_wait(manager, backend, tokenizer):
+    """When every row of a step is in the prefill still running, fill_bitmask_async returns
+    at once (the engine starts the forward) and wait() collects the prefill and copies the
+    rows; a row that was not prefilled makes it collect the prefill first, as before."""
+    compiled = manager.compile(make_output_spec(schema=PERSON), backend)
+    a, b = manager.new_matcher(compiled), manager.new_matcher(compiled)
+    assert b.accept_tokens(encode(tokenizer, '{"name":"'))
+    expected = manager.allocate_bitmask(2)
+    manager.fill_bitmask([(0, a), (1, b)], expected)
+
+    manager.prefill_masks([a, b])
+    bm = manager.step_bitmask(2)
+    pending = manager.fill_bitmask_async([(0, b), (1, a)], bm)
+    assert manager._prefill is not None  # not collected yet: the forward runs meanwhile
+    assert pending.wait() == []
+    assert manager._prefill is None
+    assert torch.equal(bm, expected[[1, 0]])
+
+    c = manager.new_matcher(compiled)  # never prefilled
+    manager.prefill_masks([a])
+    pending = manager.fill_bitmask_async([(0, a), (1, c)], manager.step_bitmask(2))
+    assert manager._prefill is None
+    pending.wait()

@@ -108,6 +108,17 @@ class GrammarMasks:
         if not rows:
             return PendingMasks(self, None, rows, bitmask)
         self._ensure_rows(max(r for r, _ in rows) + 1)
+        if self._prefill is not None and all(
+            h.prefilled is not None and h.prefilled[0] == self._prefill_gen for _, h in rows
+        ):
+            # Every row's mask is in the prefill still running: wait for it in wait(), after
+            # the forward, not before it (the steady state of a constrained batch).
+            return PendingMasks(self, None, rows, bitmask, start=lambda: self._start_fill(rows))
+        return PendingMasks(self, self._start_fill(rows), rows, bitmask)
+
+    def _start_fill(self, rows: list[tuple[int, MatcherHandle]]) -> _Batch:
+        """Copy the rows prefilled since (after the prefill in flight is collected); send the
+        others to the workers."""
         self._settle_prefill()
         # Rows whose mask prefill_masks already filled are copied from their slot; the
         # others are filled now.
@@ -123,7 +134,7 @@ class GrammarMasks:
         if copy_to:
             shared[copy_to] = shared[copy_from]
             self.stats["prefilled_rows"] += len(copy_to)
-        return PendingMasks(self, self._submit_fills(todo), rows, bitmask)
+        return self._submit_fills(todo)
 
     def _submit_fills(self, rows: list[tuple[int, MatcherHandle]]) -> _Batch:
         """Send a fill of each ``(row, handle)`` to the workers, without waiting."""

@@ -137,12 +137,21 @@ class PendingMasks:
     ``wait()`` once; ``abandon()`` if the caller cannot wait (it kills the busy workers)."""
 
     def __init__(
-        self, manager: "GrammarManager", batch: "_Batch | None", rows: list[tuple[int, MatcherHandle]], dest: Any
+        self,
+        manager: "GrammarManager",
+        batch: "_Batch | None",
+        rows: list[tuple[int, MatcherHandle]],
+        dest: Any,
+        start: "Callable[[], _Batch] | None" = None,
     ):
         self._manager, self._batch, self._rows, self._dest = manager, batch, rows, dest
+        self._start = start  # deferred: called by wait(), returns the batch
 
     def wait(self) -> list[MatcherHandle]:
         """Finish the fill; returns the handles that failed (their rows allow every token)."""
+        if self._start is not None:
+            start, self._start = self._start, None
+            self._batch = start()
         if self._batch is None:
             return []
         batch, self._batch = self._batch, None
@@ -150,6 +159,7 @@ class PendingMasks:
         return self._manager._finish_fill(self._rows, self._dest)
 
     def abandon(self) -> None:
+        self._start = None
         if self._batch is not None:
             self._batch.abandon()
             self._batch = None
