@@ -4,6 +4,8 @@
 #   .gpu/tokenizer/  the default model's tokenizer (the 93 MB model package stays behind)
 # Both are git-ignored; pass them to the device as carried paths:
 #   benchmarks/gpu_prepare.sh && (device) bash benchmarks/gpu_check.sh --quick   carry: .whl .gpu
+# or, so that no call can pass the 600 s a device call may run, two calls (same carry):
+#   (device) bash benchmarks/gpu_check.sh --quick-1;  (device) bash benchmarks/gpu_check.sh --quick-2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
