@@ -151,21 +151,38 @@ def attend_short(
     rows, m = g.bias.shape[0], g.nmax * group
     k = gather_heads(k_cache, g.pages, g.buffers, "k").view(hkv * rows, g.padded_len, d)
     v = gather_heads(v_cache, g.pages, g.buffers, "v").view(hkv * rows, g.padded_len, d)
-    # [rows, nmax, Hkv, G, D] -> [Hkv, rows, nmax * G, D]: one GEMM row per (query slot, group head).
-    qd = q.index_select(0, g.q_index).view(rows, g.nmax, hkv, group, d).permute(2, 0, 1, 3, 4)
-    qd = qd.reshape(hkv, rows * m, d)
-    scores = torch.bmm(qd.reshape(hkv * rows, m, d), k.transpose(1, 2)).view(hkv, rows, m, g.padded_len)
-    if g.shared_pages is not None:
-        ks = gather_heads(k_cache, g.shared_pages, g.buffers, "shared k")  # [Hkv, S, D]
-        vs = gather_heads(v_cache, g.shared_pages, g.buffers, "shared v")
-        # One [rows * m, D] x [D, S] GEMM per KV head: every row's queries against the shared keys.
-        shared = torch.bmm(qd, ks.transpose(1, 2)).view(hkv, rows, m, -1)
-        scores = torch.cat([shared, scores], -1)
-    probs = masked_softmax(scores, scale, g.bias, v.dtype)
+    # [rows, nmax, Hkv, G, D] -> [Hkv, rows, nmax * G, D]: one GEMM row per (query slot, group
+    # head). One gather of q seen as [tokens * Hkv, G * D] rows puts them in that order.
+    head_rows = g.buffers.get("head rows")
+    if head_rows is None:
+        head_rows = g.buffers["head rows"] = (
+            g.q_index[None, :] * hkv + torch.arange(hkv, device=q.device)[:, None]
+        ).reshape(-1)
+    qd = q.reshape(-1, group * d).index_select(0, head_rows).view(hkv, rows * m, d)
+    if g.shared_pages is None and q.dtype == torch.float32:  # (bf16/fp16 scores are upcast first)
+        # The scale and the mask folded into the GEMM (C = bias + scale * QK^T), then the softmax.
+        bias = g.buffers.get("bias heads")
+        if bias is None:
+            bias = g.buffers["bias heads"] = g.bias.expand(hkv, *g.bias.shape).reshape(hkv * rows, m, -1)
+        probs = torch.baddbmm(bias, qd.view(hkv * rows, m, d), k.transpose(1, 2), alpha=scale).softmax(-1)
+        probs = probs.view(hkv, rows, m, g.padded_len)
+    else:
+        scores = torch.bmm(qd.view(hkv * rows, m, d), k.transpose(1, 2)).view(hkv, rows, m, g.padded_len)
+        if g.shared_pages is not None:
+            ks = gather_heads(k_cache, g.shared_pages, g.buffers, "shared k")  # [Hkv, S, D]
+            vs = gather_heads(v_cache, g.shared_pages, g.buffers, "shared v")
+            # One [rows * m, D] x [D, S] GEMM per KV head: every row's queries against the shared keys.
+            shared = torch.bmm(qd, ks.transpose(1, 2)).view(hkv, rows, m, -1)
+            scores = torch.cat([shared, scores], -1)
+        probs = masked_softmax(scores, scale, g.bias, v.dtype)
     own = probs[..., probs.shape[-1] - g.padded_len :].reshape(hkv * rows, m, g.padded_len)
     o = torch.bmm(own, v)  # [Hkv * rows, nmax * G, D]
     if g.shared_pages is not None:
         s = vs.shape[1]
         o.view(hkv, rows * m, d).add_(torch.bmm(probs[..., :s].reshape(hkv, rows * m, s), vs))
+    if g.out_select is None and out.is_contiguous():
+        # Every slot is real: the rows go back to their tokens through the same index.
+        out.view(-1, group * d).index_copy_(0, head_rows, o.view(-1, group * d))
+        return
     o = o.view(hkv, rows, g.nmax, group, d).permute(1, 2, 0, 3, 4).reshape(rows * g.nmax, hq, d)
     out[g.out_index] = o if g.out_select is None else o[g.out_select]
