@@ -56,13 +56,8 @@ class GrammarMasks:
         """Collect the prefill batch in flight (a worker takes one batch at a time). Its
         failures land on the handles, as a fill's do; their slots are never used."""
         pending, self._prefill = self._prefill, None
-        if pending is None:
-            return
-        try:
+        if pending is not None:
             pending.wait()
-        except BaseException:
-            pending.abandon()
-            raise
 
     def _drop_prefill(self) -> None:
         """Forget the prefill in flight and every slot (its workers are being killed)."""

@@ -155,7 +155,7 @@ class PendingMasks:
         if self._batch is None:
             return []
         batch, self._batch = self._batch, None
-        batch.collect()
+        batch.finish()  # its workers are killed if it fails to come back
         return self._manager._finish_fill(self._rows, self._dest)
 
     def abandon(self) -> None:
