@@ -13,7 +13,7 @@ instead of their sum; on CPU it only reorders the work (and the masks, filled du
 forward in the plain loop, no longer are).
 
     python benchmarks/host_overhead.py [--rows 64 256] [--tokens 64] [--repeats 3] [--mask-workers N]
-                                       [--profile] [--pipeline]
+                                       [--profile [--profile-sort cumulative]] [--pipeline]
 """
 
 from __future__ import annotations
@@ -179,6 +179,7 @@ def main() -> None:
         help="grammar mask worker processes (default: the engine's, 1 on CPU; on CUDA up to 8)",
     )
     ap.add_argument("--profile", action="store_true", help="cProfile the largest constrained run")
+    ap.add_argument("--profile-sort", default="tottime", help="pstats order of --profile: tottime, cumulative, ...")
     ap.add_argument(
         "--pipeline",
         action="store_true",
@@ -225,7 +226,7 @@ def main() -> None:
         prof.enable()
         run(engine, biggest, args.tokens, True, 1, args.temperature)
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats(args.profile_sort).print_stats(40)
     engine.grammar.close()
     print("saved", save("host_overhead", {"args": vars(args), "results": results}))
 

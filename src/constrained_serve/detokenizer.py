@@ -19,10 +19,14 @@ _ANCHORS = ("\n", ".")
 
 def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
     """``decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`` of many
-    sequences in one call: the Rust tokenizer's ``decode_batch`` where the Hugging Face
-    tokenizer's own ``_decode`` is the plain one that delegates to it (a call per sequence
-    costs ~10 us of Python around ~1 us of decoding: 5 ms a step at 256 rows), else one call
-    per sequence."""
+    sequences in one call: the Rust tokenizer's own ``decode`` for each, where the Hugging Face
+    tokenizer's ``_decode`` is the plain one that delegates to it (its wrapper costs ~10 us of
+    Python around ~0.5 us of decoding: 5 ms a step at 256 rows), else the wrapper's.
+
+    Not ``decode_batch``: unless TOKENIZERS_PARALLELISM says no, it hands the few-token
+    sequences of a step to a rayon thread pool, which is slower than a loop for them (0.36 vs
+    0.24 ms for 512 on the CI machine) and spins on the cores the mask workers and the
+    forward need (host_overhead.py: the grammar advance it overlaps came back ~0.3 ms later)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -31,7 +35,8 @@ def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
     except (ImportError, AttributeError):
         plain = False
     if backend is not None and plain:
-        return lambda seqs: backend.decode_batch(seqs, skip_special_tokens=True)
+        decode = backend.decode
+        return lambda seqs: [decode(s, skip_special_tokens=True) for s in seqs]
     return lambda seqs: [
         tokenizer.decode(s, skip_special_tokens=True, clean_up_tokenization_spaces=False) for s in seqs
     ]
