@@ -175,21 +175,21 @@ class MatcherHost:
             err, dead = self._why_rejected(m)
             return (False, err, dead, False, False, [], False, False)
         finished_first, can_end_first = m.is_finished(), m.can_end()
-        forced: list[int] = []
-        if room > 0 and not finished_first:
-            ff = m.forced_tokens()[:room]
+        # Most rows (256 a step) have nothing forced: that path makes no call it can skip.
+        ff = m.forced_tokens() if room > 0 and not finished_first else None
+        if not ff:  # the state is the one read above (but finding no forced tokens can fail)
+            return (True, m.error(), False, finished_first, can_end_first, [], finished_first, can_end_first)
+        ff = ff[:room]
+        if stop_ids:
             cut = next((i for i, t in enumerate(ff) if t in stop_ids), None)
             if cut is not None:
                 ff = ff[: cut + 1]
-            if ff and m.accept_tokens(ff):
-                forced = ff
-            elif ff:
-                if (err := m.error()) is not None:
-                    return (True, err, False, finished_first, can_end_first, [], False, False)
-                logger.warning("grammar refused its own forced tokens %s", ff)
-        if not forced:  # the state is the one read above (but finding no forced tokens can fail)
-            return (True, m.error(), False, finished_first, can_end_first, forced, finished_first, can_end_first)
-        return (True, m.error(), False, finished_first, can_end_first, forced, m.is_finished(), m.can_end())
+        if not m.accept_tokens(ff):
+            if (err := m.error()) is not None:
+                return (True, err, False, finished_first, can_end_first, [], False, False)
+            logger.warning("grammar refused its own forced tokens %s", ff)
+            return (True, None, False, finished_first, can_end_first, [], finished_first, can_end_first)
+        return (True, m.error(), False, finished_first, can_end_first, ff, m.is_finished(), m.can_end())
 
     def _why_rejected(self, m: GrammarMatcher) -> tuple[str | None, bool]:
         """(the backend's error, a dead end) for a matcher that refused tokens. The dead-end
