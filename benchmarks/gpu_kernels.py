@@ -35,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from constrained_serve.kernels import attention as A  # noqa: E402
 from constrained_serve.kernels import sampling as S  # noqa: E402
+from constrained_serve.kernels.sampling_tensors import SamplingTensors  # noqa: E402
 from tests.kernel.helpers import CHI2_CRIT_001, expected_probs, make_batch  # noqa: E402
 
 
@@ -307,19 +308,6 @@ def _pack(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _params(R: int, dev, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0) -> dict:
-    def col(v, dtype):
-        return v.to(dev, dtype) if isinstance(v, torch.Tensor) else torch.full((R,), v, dtype=dtype, device=dev)
-
-    return dict(
-        temperature=col(temperature, torch.float32),
-        top_k=col(top_k, torch.int64),
-        top_p=col(top_p, torch.float32),
-        min_p=col(min_p, torch.float32),
-        seeds=torch.arange(seed0, seed0 + R, dtype=torch.int64, device=dev),
-    )
-
-
 def sampling_checks(b: Bench, smoke: bool) -> None:
     dev = b.device
     R, V = (64, 100) if smoke else (4096, 32000)
@@ -344,7 +332,7 @@ def sampling_checks(b: Bench, smoke: bool) -> None:
         bm = _pack(allowed)
         temperature = torch.rand(R, generator=g) * 2.0
         temperature[::5] = 0.0
-        params = _params(
+        params = SamplingTensors.full(
             R,
             dev,
             temperature,
@@ -352,14 +340,14 @@ def sampling_checks(b: Bench, smoke: bool) -> None:
             torch.where(torch.rand(R, generator=g) < 0.5, 0.9, 1.0),
             torch.where(torch.rand(R, generator=g) < 0.3, 0.05, 0.0),
         )
-        tok = S.sample_triton(logits, bm, **params)
+        tok = S.sample_triton(logits, bm, params)
         assert bool(allowed[torch.arange(R, device=dev), tok].all()), "drew a masked token"
         want = logits.float().masked_fill(~allowed, -math.inf).argmax(-1)
-        greedy = S.sample_triton(logits, bm, **params, all_greedy=True)
+        greedy = S.sample_triton(logits, bm, params, all_greedy=True)
         assert torch.equal(greedy, want), "all_greedy != masked argmax"
-        zero = params["temperature"] == 0
+        zero = params.temperature == 0
         assert torch.equal(tok[zero], want[zero]), "temperature 0 rows != masked argmax"
-        assert torch.equal(tok, S.sample_triton(logits, bm, **params)), "same seeds, other tokens"
+        assert torch.equal(tok, S.sample_triton(logits, bm, params)), "same seeds, other tokens"
 
     def chi_square():
         N = 3000 if smoke else 200_000
@@ -371,7 +359,7 @@ def sampling_checks(b: Bench, smoke: bool) -> None:
             ("topp", 1.0, 0, 0.8, 0.0),
             ("all", 1.5, 6, 0.9, 0.05),
         ):
-            tok = S.sample_triton(base.repeat(N, 1).to(dev), None, **_params(N, dev, T, k, p, mp))
+            tok = S.sample_triton(base.repeat(N, 1).to(dev), None, SamplingTensors.full(N, dev, T, k, p, mp))
             counts = torch.bincount(tok, minlength=12).double().cpu()
             exp = expected_probs(base, None, T, k, p, mp) * N
             kept = exp > 0
@@ -395,8 +383,8 @@ def sampling_timings(b: Bench, smoke: bool) -> None:
     logits = torch.randn(R, V, generator=g).to(dev, dt)
     allowed = (torch.rand(R, V, generator=g) < 0.5).to(dev)
     bm = _pack(allowed)
-    plain = _params(R, dev, 1.0)
-    filt = _params(R, dev, 0.8, 50, 0.9, 0.0)
+    plain = SamplingTensors.full(R, dev, 1.0)
+    filt = SamplingTensors.full(R, dev, 0.8, 50, 0.9, 0.0)
 
     def torch_alternative():
         x = logits.float().masked_fill(~S.unpack_bitmask(bm, V), float("-inf"))
@@ -416,7 +404,7 @@ def sampling_timings(b: Bench, smoke: bool) -> None:
         "sample_plain",
         shape,
         {
-            "triton": lambda: S.sample_triton(logits, bm, **plain),
+            "triton": lambda: S.sample_triton(logits, bm, plain),
             "torch_masked_softmax_multinomial": torch_alternative,
         },
     )
@@ -424,18 +412,18 @@ def sampling_timings(b: Bench, smoke: bool) -> None:
         "sample_topk50_topp0.9",
         shape,
         {
-            "triton": lambda: S.sample_triton(logits, bm, **filt),
+            "triton": lambda: S.sample_triton(logits, bm, filt),
             # what the engine runs for rows with 0 < top_k <= 1024 (sampling_candidates.py)
-            "triton_candidates": lambda: S.sample_triton(logits, bm, **filt, candidates=(list(range(R)), 50)),
+            "triton_candidates": lambda: S.sample_triton(logits, bm, filt, candidates=(list(range(R)), 50)),
             "torch_masked_topk_topp_multinomial": torch_alternative_topk_topp,
-            "torch_reference": lambda: S.sample_torch(logits, bm, **filt),
+            "torch_reference": lambda: S.sample_torch(logits, bm, filt),
         },
     )
     b.compare(
         "sample_greedy",
         shape,
         {
-            "triton": lambda: S.sample_triton(logits, bm, **plain, all_greedy=True),
+            "triton": lambda: S.sample_triton(logits, bm, plain, all_greedy=True),
             "torch_masked_argmax": lambda: logits.masked_fill(~S.unpack_bitmask(bm, V), float("-inf")).argmax(-1),
         },
     )

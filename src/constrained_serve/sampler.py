@@ -15,6 +15,7 @@ import torch
 from .input_staging import InputStaging, to_device
 from .kernels import dispatch
 from .kernels.sampling_candidates import candidate_rows
+from .kernels.sampling_tensors import SamplingTensors
 from .request import Request
 
 _MASK64 = (1 << 63) - 1
@@ -132,6 +133,7 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.staging = InputStaging(device)
+        self._greedy: SamplingTensors | None = None
 
     @torch.inference_mode()
     def sample(
@@ -166,9 +168,7 @@ class Sampler:
         if bitmask is not None:
             bitmask = bitmask.to(dev, non_blocking=True)
         if all_greedy:
-            z = torch.zeros(len(ps), device=dev)
-            zi = torch.zeros(len(ps), dtype=torch.int32, device=dev)
-            return dispatch.sample(logits, bitmask, z, zi, z + 1, z, zi.long(), all_greedy=True)
+            return dispatch.sample(logits, bitmask, self._greedy_params(len(ps)), all_greedy=True)
         # Through pinned staging buffers: a copy from pageable memory would wait for the
         # forward queued before it, and the pipelined loop has work to do meanwhile.
         temps, ks = [p.temperature for p in ps], [p.top_k for p in ps]
@@ -180,10 +180,13 @@ class Sampler:
         return dispatch.sample(
             logits,
             bitmask,
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            seeds,
+            SamplingTensors(temperature, top_k, top_p, min_p, seeds),
             candidates=(rows, max(ps[i].top_k for i in rows)) if rows else None,
         )
+
+    def _greedy_params(self, rows: int) -> SamplingTensors:
+        """Parameters for an all-greedy step (the kernels take them, and read none): made
+        once, at the largest batch so far, and sliced, so a greedy step allocates nothing."""
+        if self._greedy is None or self._greedy.seeds.shape[0] < rows:
+            self._greedy = SamplingTensors.full(max(rows, 256), self.device)
+        return SamplingTensors(*(t[:rows] for t in self._greedy))

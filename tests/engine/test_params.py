@@ -5,6 +5,7 @@ import pytest
 
 from constrained_serve import SamplingParams
 from constrained_serve.kernels.sampling import sample_torch
+from constrained_serve.kernels.sampling_tensors import SamplingTensors
 
 
 @pytest.mark.parametrize(
@@ -57,16 +58,8 @@ def test_vllm_spellings_of_off_and_the_edges():
     import torch
 
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]]).repeat(200, 1)
-    col = lambda v, dt: torch.full((200,), v, dtype=dt)  # noqa: E731
-    tokens = sample_torch(
-        logits,
-        None,
-        col(1.0, torch.float32),
-        col(0, torch.int64),
-        col(1.0, torch.float32),
-        col(SamplingParams(min_p=1.0).min_p, torch.float32),
-        torch.arange(200),
-    )
+    params = SamplingTensors.full(200, temperature=1.0, min_p=SamplingParams(min_p=1.0).min_p)
+    tokens = sample_torch(logits, None, params)
     assert set(tokens.tolist()) == {1, 2}
 
 

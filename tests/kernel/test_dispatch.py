@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from constrained_serve.kernels import attention, dispatch, sampling
+from constrained_serve.kernels.sampling_tensors import SamplingTensors
 
 from .helpers import make_batch, require_triton
 
@@ -60,14 +61,14 @@ def test_dispatch_forced_triton_runs_under_interpreter(monkeypatch):
         dispatch.paged_attention(q, kc, vc, meta, 0.125), attention.paged_attention_torch(q, kc, vc, meta, 0.125)
     )
     logits = torch.randn(3, 40, generator=g)
-    z = torch.zeros(3)
-    tokens = dispatch.sample(logits, None, z, z.long(), z + 1, z, torch.arange(3))
+    greedy = SamplingTensors.full(3)
+    tokens = dispatch.sample(logits, None, greedy)
     assert torch.equal(tokens, logits.argmax(-1))
     bitmask = torch.full((3, 2), -1, dtype=torch.int32)
     bitmask[0] = torch.tensor([1, 0], dtype=torch.int32)  # row 0 allows token 0 only
-    masked = dispatch.sample(logits.clone(), bitmask, z, z.long(), z + 1, z, torch.arange(3))
+    masked = dispatch.sample(logits.clone(), bitmask, greedy)
     assert masked[0] == 0
-    assert torch.equal(masked, sampling.sample_torch(logits.clone(), bitmask, z, z.long(), z + 1, z, torch.arange(3)))
+    assert torch.equal(masked, sampling.sample_torch(logits.clone(), bitmask, greedy))
 
 
 def test_package_works_without_triton():
@@ -77,13 +78,11 @@ def test_package_works_without_triton():
         "from constrained_serve.kernels import attention, dispatch, sampling\n"
         "assert not attention.HAS_TRITON and not sampling.HAS_TRITON\n"
         "assert not dispatch.use_triton(torch.device('cuda'))\n"
-        "z = torch.zeros(2)\n"
-        "t = dispatch.sample(torch.tensor([[0., 1.], [2., 0.]]), None, z, z.long(), z + 1, z,"
-        " torch.arange(2))\n"
+        "from constrained_serve.kernels.sampling_tensors import SamplingTensors\n"
+        "t = dispatch.sample(torch.tensor([[0., 1.], [2., 0.]]), None, SamplingTensors.full(2))\n"
         "assert t.tolist() == [1, 0]\n"
         "try:\n"
-        "    sampling.sample_triton(torch.zeros(1, 2), None, z[:1], z[:1].long(), z[:1], z[:1],"
-        " torch.arange(1))\n"
+        "    sampling.sample_triton(torch.zeros(1, 2), None, SamplingTensors.full(1))\n"
         "except RuntimeError as e:\n"
         "    assert 'triton is not installed' in str(e)\n"
         "else:\n"

@@ -13,6 +13,7 @@ import torch
 
 from constrained_serve.kernels import sampling as S
 from constrained_serve.kernels.sampling import apply_bitmask_torch, greedy_masked, sample_torch
+from constrained_serve.kernels.sampling_tensors import SamplingTensors
 from constrained_serve.sampler import step_seed
 
 from .helpers import CHI2_CRIT_001, expected_probs, require_triton
@@ -25,19 +26,8 @@ def _impl(name: str):
     return S.sample_torch
 
 
-def _params(R: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0):
-    def col(v, dtype):
-        if isinstance(v, torch.Tensor):
-            return v.to(dtype)
-        return torch.full((R,), v, dtype=dtype)
-
-    return dict(
-        temperature=col(temperature, torch.float32),
-        top_k=col(top_k, torch.int64),
-        top_p=col(top_p, torch.float32),
-        min_p=col(min_p, torch.float32),
-        seeds=torch.arange(seed0, seed0 + R, dtype=torch.int64),
-    )
+def _params(R: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0) -> SamplingTensors:
+    return SamplingTensors.full(R, "cpu", temperature, top_k, top_p, min_p, seed0)
 
 
 def _pack(allowed: torch.Tensor) -> torch.Tensor:
@@ -73,7 +63,7 @@ def test_seeded_draws_follow_filtered_softmax(impl, case):
     N = 3000
     logits = base.repeat(N, 1)
     bitmask = None if allowed is None else _pack(allowed.repeat(N, 1))
-    tokens = sample(logits, bitmask, **_params(N, T, k, p, mp, seed0=1000))
+    tokens = sample(logits, bitmask, _params(N, T, k, p, mp, seed0=1000))
     counts = torch.bincount(tokens, minlength=_V).double()
     expected = expected_probs(base, allowed, T, k, p, mp) * N
     outside = expected == 0
@@ -100,7 +90,7 @@ def test_masked_tokens_never_chosen(impl):
     top_p = torch.where(torch.rand(R, generator=g) < 0.5, 0.9, 1.0)
     min_p = torch.where(torch.rand(R, generator=g) < 0.3, 0.1, 0.0)
     params = _params(R, temperature, top_k, top_p, min_p)
-    tokens = sample(logits, _pack(allowed), **params)
+    tokens = sample(logits, _pack(allowed), params)
     assert tokens.dtype == torch.int64 and tokens.shape == (R,)
     assert bool(allowed[torch.arange(R), tokens].all())
 
@@ -118,11 +108,11 @@ def test_greedy_is_masked_argmax(impl, dtype):
     allowed[1, V - 1] = True  # a single allowed token, in the last partial word
     want = logits.float().masked_fill(~allowed, -math.inf).argmax(-1)
     bitmask = _pack(allowed)
-    got = sample(logits, bitmask, **_params(R, 0.0), all_greedy=True)
+    got = sample(logits, bitmask, _params(R, 0.0), all_greedy=True)
     assert torch.equal(got, want)
     # temperature == 0 rows among sampled rows
     temperature = torch.where(torch.arange(R) % 2 == 0, 0.0, 1.0)
-    got = sample(logits, bitmask, **_params(R, temperature, top_k=3))
+    got = sample(logits, bitmask, _params(R, temperature, top_k=3))
     assert torch.equal(got[::2], want[::2])
 
 
@@ -133,13 +123,13 @@ def test_same_seed_same_token_whatever_the_batch(impl):
     R, V = 64, 50
     logits = torch.randn(R, V, generator=g)
     params = _params(R, 1.0, top_k=20, top_p=0.95)
-    a = sample(logits, None, **params)
-    b = sample(logits, None, **params)
+    a = sample(logits, None, params)
+    b = sample(logits, None, params)
     assert torch.equal(a, b)
-    sub = {k: v[10:20] for k, v in params.items()}
-    assert torch.equal(sample(logits[10:20].contiguous(), None, **sub), a[10:20])
-    other = dict(params, seeds=params["seeds"] + 12345)
-    assert not torch.equal(sample(logits, None, **other), a)
+    sub = SamplingTensors(*(v[10:20] for v in params))
+    assert torch.equal(sample(logits[10:20].contiguous(), None, sub), a[10:20])
+    other = params._replace(seeds=params.seeds + 12345)
+    assert not torch.equal(sample(logits, None, other), a)
 
 
 def test_reference_does_not_modify_logits():
@@ -148,7 +138,7 @@ def test_reference_does_not_modify_logits():
     before = logits.clone()
     allowed = torch.rand(4, 40, generator=g) < 0.5
     allowed[:, 0] = True
-    S.sample_torch(logits, _pack(allowed), **_params(4, 1.0))
+    S.sample_torch(logits, _pack(allowed), _params(4, 1.0))
     assert torch.equal(logits, before)
 
 
@@ -163,7 +153,7 @@ def test_ties_at_the_threshold_are_kept(impl):
         (torch.tensor([1.0, 1.0, 1.0, -9.0, -9.0]), {"top_k": 1}, {0, 1, 2}),
         (torch.tensor([2.0, 0.0, 0.0, 0.0, -9.0]), {"top_p": 0.75}, {0, 1, 2, 3}),
     ):
-        tokens = sample(base.repeat(N, 1), None, **_params(N, 1.0, **kw))
+        tokens = sample(base.repeat(N, 1), None, _params(N, 1.0, **kw))
         assert set(torch.unique(tokens).tolist()) == kept, (base, kw)
 
 
@@ -197,31 +187,20 @@ def test_sampler_filters():
 
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    z = torch.zeros(4)
-    greedy = sample_torch(
-        logits.clone(), None, z, torch.zeros(4, dtype=torch.int32), z + 1, z, torch.arange(4), all_greedy=False
-    )
+    greedy = sample_torch(logits.clone(), None, SamplingTensors.full(4))
     assert torch.equal(greedy, logits.argmax(-1))
     # top_k=1 at any temperature is greedy; min_p close to 1 keeps only the argmax.
-    t = torch.ones(4)
-    k1 = sample_torch(logits.clone(), None, t, torch.ones(4, dtype=torch.int32), t, z, torch.arange(4))
+    k1 = sample_torch(logits.clone(), None, SamplingTensors.full(4, temperature=1.0, top_k=1))
     assert torch.equal(k1, logits.argmax(-1))
-    mp = sample_torch(logits.clone(), None, t, torch.zeros(4, dtype=torch.int32), t, z + 0.999, torch.arange(4))
+    mp = sample_torch(logits.clone(), None, SamplingTensors.full(4, temperature=1.0, min_p=0.999))
     assert torch.equal(mp, logits.argmax(-1))
     # top_p: tokens outside the nucleus are never drawn.
     probs = torch.softmax(logits[0], -1)
     order = probs.argsort(descending=True)
     nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
     for s in range(200):
-        tok = sample_torch(
-            logits[:1].clone(),
-            None,
-            t[:1],
-            torch.zeros(1, dtype=torch.int32),
-            torch.tensor([0.5]),
-            z[:1],
-            torch.tensor([step_seed(s, 0)]),
-        )
+        params = SamplingTensors.full(1, temperature=1.0, top_p=0.5, seed0=step_seed(s, 0))
+        tok = sample_torch(logits[:1].clone(), None, params)
         assert int(tok) in nucleus
 
 

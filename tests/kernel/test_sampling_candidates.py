@@ -38,9 +38,9 @@ def _batch(R: int, V: int, seed: int, quantum: float | None = None):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_candidate_tokens_equal_the_fused_kernels(seed):
     logits, bitmask, params = _batch(48, 300, seed)
-    fused = S.sample_triton(logits, bitmask, **params)
-    k_max = int(params["top_k"].max())
-    tokens, overflow = sample_candidates(logits, bitmask, tuple(params.values()), k_max)
+    fused = S.sample_triton(logits, bitmask, params)
+    k_max = int(params.top_k.max())
+    tokens, overflow = sample_candidates(logits, bitmask, params, k_max)
     assert not overflow.any()
     assert torch.equal(tokens, fused), (tokens != fused).nonzero().flatten().tolist()
 
@@ -48,12 +48,12 @@ def test_candidate_tokens_equal_the_fused_kernels(seed):
 def test_ties_past_the_candidates_fall_back_to_the_fused_kernel():
     # Logits on a coarse grid: the k-th value is tied well past k_max + 1 candidates.
     logits, bitmask, params = _batch(32, 300, 7, quantum=1.0)
-    params["top_k"] = torch.full((32,), 3, dtype=torch.int64)
-    fused = S.sample_triton(logits, bitmask, **params)
-    _, overflow = sample_candidates(logits, bitmask, tuple(params.values()), 3)
+    params = params._replace(top_k=torch.full((32,), 3, dtype=torch.int32))
+    fused = S.sample_triton(logits, bitmask, params)
+    _, overflow = sample_candidates(logits, bitmask, params, 3)
     assert overflow.any(), "the case has no overflowing ties"
     rows = list(range(32))
-    mixed = S.sample_triton(logits, bitmask, **params, candidates=(rows, 3))
+    mixed = S.sample_triton(logits, bitmask, params, candidates=(rows, 3))
     assert torch.equal(mixed, fused)
 
 
@@ -61,18 +61,18 @@ def test_a_mixed_batch_gives_each_row_its_own_draw():
     """Candidate rows next to greedy, unfiltered and top-p-only rows: every row draws what it
     draws alone, and what the fused kernel draws for it."""
     logits, bitmask, params = _batch(24, 200, 3)
-    params["top_k"][::3] = 0  # top-p only, or no filter
-    params["temperature"][1::6] = 0.0  # greedy
-    temps, ks = params["temperature"].tolist(), params["top_k"].tolist()
+    params.top_k[::3] = 0  # top-p only, or no filter
+    params.temperature[1::6] = 0.0  # greedy
+    temps, ks = params.temperature.tolist(), params.top_k.tolist()
     rows = candidate_rows(temps, ks, 200)
     assert rows and len(rows) < 24
-    fused = S.sample_triton(logits, bitmask, **params)
-    mixed = S.sample_triton(logits, bitmask, **params, candidates=(rows, max(ks[i] for i in rows)))
+    fused = S.sample_triton(logits, bitmask, params)
+    mixed = S.sample_triton(logits, bitmask, params, candidates=(rows, max(ks[i] for i in rows)))
     assert torch.equal(mixed, fused)
     alone = S.sample_triton(
         logits[rows[:1]],
         bitmask[rows[:1]],
-        **{k: v[rows[:1]] for k, v in params.items()},
+        params.index_select(torch.tensor(rows[:1])),
         candidates=([0], ks[rows[0]]),
     )
     assert alone.item() == fused[rows[0]].item()
@@ -90,7 +90,7 @@ def test_candidate_draws_follow_the_filtered_softmax(T, k, p, mp):
     N = 3000
     logits = _BASE.repeat(N, 1)
     bitmask = _pack(_MASK.repeat(N, 1))
-    tokens, overflow = sample_candidates(logits, bitmask, tuple(_params(N, T, k, p, mp, seed0=77).values()), k)
+    tokens, overflow = sample_candidates(logits, bitmask, _params(N, T, k, p, mp, seed0=77), k)
     assert not overflow.any()
     counts = torch.bincount(tokens, minlength=_V).double()
     expected = expected_probs(_BASE, _MASK, T, k, p, mp) * N

@@ -14,6 +14,7 @@ import torch
 
 from ..batch import AttentionMetadata
 from . import attention, sampling
+from .sampling_tensors import SamplingTensors
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,7 @@ def paged_attention(
 def sample(
     logits: torch.Tensor,
     bitmask: torch.Tensor | None,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
+    params: SamplingTensors,
     *,
     all_greedy: bool = False,
     candidates: tuple[list[int], int] | None = None,
@@ -78,7 +75,5 @@ def sample(
     """``candidates``: (rows, their largest top_k) for the Triton path's top-k candidate
     sampling (sampling_candidates.py); the torch path samples every row the same way."""
     if use_triton(logits.device):
-        return sampling.sample_triton(
-            logits, bitmask, temperature, top_k, top_p, min_p, seeds, all_greedy=all_greedy, candidates=candidates
-        )
-    return sampling.sample_torch(logits, bitmask, temperature, top_k, top_p, min_p, seeds, all_greedy=all_greedy)
+        return sampling.sample_triton(logits, bitmask, params, all_greedy=all_greedy, candidates=candidates)
+    return sampling.sample_torch(logits, bitmask, params, all_greedy=all_greedy)

@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from .sampling_tensors import SamplingTensors
+
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -93,30 +95,22 @@ def greedy_masked(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.T
 
 
 def sample_torch(
-    logits: torch.Tensor,
-    bitmask: torch.Tensor | None,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    *,
-    all_greedy: bool = False,
+    logits: torch.Tensor, bitmask: torch.Tensor | None, params: SamplingTensors, *, all_greedy: bool = False
 ) -> torch.Tensor:
     """Reference implementation (and the CPU path). logits [R, V] (any float) -> int64 [R].
 
-    Greedy where temperature == 0. Otherwise logits / T, then top-k, top-p, min-p filtering,
-    then a Gumbel-max style draw: argmax(p / E) with E ~ Exp(1) is a draw from p.
+    Greedy where temperature == 0 (every row with ``all_greedy``, which reads no ``params``).
+    Otherwise logits / T, then top-k, top-p, min-p filtering, then a Gumbel-max style draw:
+    argmax(p / E) with E ~ Exp(1) is a draw from p.
     """
     if all_greedy:
         return greedy_masked(logits, bitmask)
+    temperature, top_k, top_p, min_p, seeds = params
     # Always a copy: the mask is applied in place and must not leak into the caller's logits.
     logits = logits.to(torch.float32, copy=True)
     if bitmask is not None:
         apply_bitmask_torch(logits, bitmask)
     greedy_tokens = row_argmax(logits)
-    if all_greedy:
-        return greedy_tokens
     temp = temperature.float().clamp_min(1e-6)[:, None]
     probs = torch.softmax(logits / temp, dim=-1)
     R, V = probs.shape

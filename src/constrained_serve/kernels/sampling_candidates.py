@@ -26,6 +26,7 @@ import torch
 
 from ..input_staging import to_device
 from ._triton import HAS_TRITON, tl, triton
+from .sampling_tensors import SamplingTensors
 
 # Rows with a top_k up to this take the candidate path on GPU.
 CANDIDATES_MAX = 1024
@@ -98,12 +99,8 @@ if HAS_TRITON:
         tl.store(overflow_ptr + rows, overflow.to(tl.int8))
 
 
-# Per-row sampling tensors, in sample_triton's order: temperature, top_k, top_p, min_p, seeds.
-RowParams = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
 def sample_candidates(
-    logits: torch.Tensor, bitmask: torch.Tensor | None, params: RowParams, k_max: int
+    logits: torch.Tensor, bitmask: torch.Tensor | None, params: SamplingTensors, k_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 [R], overflow bool [R]) for rows that all have 0 < top_k <= k_max and
     temperature > 0; an overflow row's token is not valid (see the module docstring)."""
@@ -145,7 +142,7 @@ def sample_candidates(
 def sample_with_candidates(
     logits: torch.Tensor,
     bitmask: torch.Tensor | None,
-    params: RowParams,
+    params: SamplingTensors,
     candidates: tuple[list[int], int],
     **kernel_options: Any,
 ) -> torch.Tensor:
@@ -155,24 +152,25 @@ def sample_with_candidates(
     the fused kernel with its filters, all without the host looking at the device."""
     from .sampling_triton import sample_triton
 
-    temperature, top_k, top_p, min_p, seeds = params
     rows, k_max = candidates
     idx = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
 
-    def sub(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.index_select(0, idx)
-
-    tokens, overflow = sample_candidates(sub(logits), sub(bitmask), tuple(sub(t) for t in params), k_max)
+    tokens, overflow = sample_candidates(
+        logits.index_select(0, idx),
+        None if bitmask is None else bitmask.index_select(0, idx),
+        params.index_select(idx),
+        k_max,
+    )
     decided = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     decided[idx] = ~overflow
     out = sample_triton(
         logits,
         bitmask,
-        temperature,
-        torch.where(decided, 0, top_k),
-        torch.where(decided, 1.0, top_p),
-        torch.where(decided, 0.0, min_p),
-        seeds,
+        params._replace(
+            top_k=torch.where(decided, 0, params.top_k),
+            top_p=torch.where(decided, 1.0, params.top_p),
+            min_p=torch.where(decided, 0.0, params.min_p),
+        ),
         **kernel_options,
     )
     picked = torch.zeros_like(out)

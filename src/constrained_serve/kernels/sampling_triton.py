@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, require_triton, tl, triton  # noqa: F401
+from .sampling_tensors import SamplingTensors
 
 if HAS_TRITON:
 
@@ -204,11 +205,7 @@ def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, *, block_v
 def sample_triton(
     logits: torch.Tensor,
     bitmask: torch.Tensor | None,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
+    params: SamplingTensors,
     *,
     all_greedy: bool = False,
     candidates: tuple[list[int], int] | None = None,
@@ -230,7 +227,7 @@ def sample_triton(
         return sample_with_candidates(
             logits,
             bitmask,
-            (temperature, top_k, top_p, min_p, seeds),
+            params,
             candidates,
             block_v=block_v,
             search_block=search_block,
@@ -257,11 +254,7 @@ def sample_triton(
     _sample_kernel[(triton.cdiv(R, rows_per_program),)](
         logits,
         bm,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        seeds,
+        *params,
         out,
         R,
         V,
