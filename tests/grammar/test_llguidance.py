@@ -69,3 +69,46 @@ def test_a_spec_llguidance_cannot_lex_at_its_first_mask_fails_at_submit(tokenize
         mgr.compile(make_output_spec(schema={**SCHEMA, "anyOf": SCHEMA["anyOf"][:1]}))  # one branch: fine
     finally:
         mgr.close()
+
+
+def test_accept_sampled_walks_the_same_states_as_accept_tokens(tokenizer):
+    """The worker's advance takes a step's sampled token with accept_sampled (llguidance's
+    consume_token, cheaper than the try_consume_tokens of accept_tokens): along random walks
+    through a schema, drawn from the masks, both give the same masks and end states, EOS
+    included; a token the mask refuses is refused, with the backend's error."""
+    import random
+
+    import numpy as np
+
+    from constrained_serve.grammar.base import allocate_bitmask, allowed_tokens
+    from constrained_serve.grammar.tokenizer_data import TokenizerData
+
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "bc"]}}},
+        "required": ["id", "tags"],
+        "additionalProperties": False,
+    }
+    backend = llg_backend.LLGuidanceBackend(TokenizerData.from_hf(tokenizer, MODEL_VOCAB))
+    compiled = backend.compile(make_output_spec(schema=schema))
+    eos = tokenizer.eos_token_id
+    bm = allocate_bitmask(2, MODEL_VOCAB)
+    for seed in range(6):
+        rng = random.Random(seed)
+        fast, checked = backend.new_matcher(compiled), backend.new_matcher(compiled)
+        for _ in range(60):
+            fast.fill_bitmask(bm, 0)
+            checked.fill_bitmask(bm, 1)
+            assert np.array_equal(bm[0], bm[1])
+            allowed = np.flatnonzero(allowed_tokens(bm[0], MODEL_VOCAB)).tolist()
+            # Favour EOS where it is allowed, so every walk ends through it.
+            t = eos if eos in allowed and rng.random() < 0.5 else rng.choice(allowed)
+            assert fast.accept_sampled(t) and checked.accept_tokens([t])
+            assert (fast.is_finished(), fast.can_end()) == (checked.is_finished(), checked.can_end())
+            if t == eos:
+                break
+        assert t == eos, f"walk {seed} did not end"
+    m = backend.new_matcher(compiled)
+    refused = tokenizer.encode("x", add_special_tokens=False)[0]  # an object starts with "{"
+    assert not m.accept_sampled(refused)
+    assert m.error() is not None

@@ -66,6 +66,12 @@ class GrammarMatcher(abc.ABC):
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         """Advance by ``tokens``. False if any is rejected; the state is then unchanged."""
 
+    def accept_sampled(self, token: int) -> bool:
+        """``accept_tokens([token])`` for a token drawn under this state's own mask, as a
+        step's sampled tokens are: a refusal ends the request, so a backend may leave the
+        state broken after one (llguidance does, to skip the check that keeps it)."""
+        return self.accept_tokens([token])
+
     @abc.abstractmethod
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed-next-token bits into ``bitmask[row]``."""

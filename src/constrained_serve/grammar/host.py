@@ -171,7 +171,8 @@ class MatcherHost:
         engine checks in between (EOS, stop tokens and strings, length) it does with the
         ``*_first`` fields; it only uses ``forced`` when none of those ended the request."""
         m = self.matchers[mid]
-        if tokens and not m.accept_tokens(tokens):
+        ok = m.accept_sampled(tokens[0]) if len(tokens) == 1 else m.accept_tokens(tokens)
+        if not ok:
             err, dead = self._why_rejected(m)
             return (False, err, dead, False, False, [], False, False)
         finished_first, can_end_first = m.is_finished(), m.can_end()
