@@ -185,8 +185,9 @@ class Sampler:
         )
 
     def _greedy_params(self, rows: int) -> SamplingTensors:
-        """Parameters for an all-greedy step (the kernels take them, and read none): made
-        once, at the largest batch so far, and sliced, so a greedy step allocates nothing."""
+        """Parameters for an all-greedy step (the kernels take them; the step's tokens depend
+        on none of their values): made once, at the largest batch so far, and sliced, so a
+        greedy step allocates nothing for them."""
         if self._greedy is None or self._greedy.seeds.shape[0] < rows:
             self._greedy = SamplingTensors.full(max(rows, 256), self.device)
         return SamplingTensors(*(t[:rows] for t in self._greedy))
