@@ -112,3 +112,35 @@ def test_accept_sampled_walks_the_same_states_as_accept_tokens(tokenizer):
     refused = tokenizer.encode("x", add_special_tokens=False)[0]  # an object starts with "{"
     assert not m.accept_sampled(refused)
     assert m.error() is not None
+
+
+def test_fill_bitmask_checks_each_new_bitmask_and_every_row(tokenizer):
+    """fill_bitmask remembers where the last bitmask's rows lie (a mask worker fills the same
+    one 256 times a step): the bits equal llguidance's own fill, a row past the array is
+    refused rather than written, and any other array is checked again before it is used."""
+    import numpy as np
+    from llguidance.numpy import fill_next_token_bitmask
+
+    from constrained_serve.grammar.base import allocate_bitmask
+    from constrained_serve.grammar.tokenizer_data import TokenizerData
+
+    backend = llg_backend.LLGuidanceBackend(TokenizerData.from_hf(tokenizer, MODEL_VOCAB))
+    m = backend.new_matcher(backend.compile(make_output_spec(regex=r"[a-c]{2}x")))
+    bm = allocate_bitmask(3, MODEL_VOCAB)
+    m.fill_bitmask(bm, 2)
+    want = np.full_like(bm[:1], -1)
+    fill_next_token_bitmask(m.raw, want, 0)
+    assert np.array_equal(bm[2], want[0]) and (bm[:2] == -1).all()
+    for row in (3, -1):
+        with pytest.raises(IndexError, match="out of range"):
+            m.fill_bitmask(bm, row)
+    assert (bm[:2] == -1).all()
+    with pytest.raises(ValueError, match="int32"):
+        m.fill_bitmask(bm.astype(np.int64), 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        m.fill_bitmask(np.asfortranarray(allocate_bitmask(3, MODEL_VOCAB)), 0)
+    other = allocate_bitmask(1, MODEL_VOCAB)
+    m.fill_bitmask(other, 0)  # a new array: its own address and rows
+    assert np.array_equal(other[0], want[0])
+    with pytest.raises(IndexError):
+        m.fill_bitmask(other, 1)

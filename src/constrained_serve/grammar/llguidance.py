@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import time
+import weakref
 from collections.abc import Sequence
 
 import llguidance
@@ -100,8 +101,8 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._m.consume_token(token)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        _check_bitmask(bitmask, self._width)
-        _fill_row(self._m, bitmask, row)
+        address, nbytes = _rows.address(bitmask, self._width, row)
+        self._m.unsafe_compute_mask_ptr(address, nbytes)
 
     def forced_tokens(self) -> list[int]:
         if self._m.is_stopped():
@@ -164,6 +165,30 @@ def _located(spec: OutputSpec, error: str) -> str:
     except Exception:  # noqa: BLE001 - lark reads it otherwise: keep llguidance's message
         pass
     return error
+
+
+class _RowAddresses:
+    """Where each row of the bitmask last filled lies in memory. Checking a bitmask and taking
+    ``bitmask[row].ctypes.data`` costs ~1.2 us a fill, 256 fills a step in a mask worker, which
+    always fills the same shared bitmask: it is checked once, and its rows' addresses are
+    computed from its own (the array is held by a weak reference, so a freed array's id
+    reused by another is never mistaken for it)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[weakref.ref, int, int, int, int] | None = None  # array, width, address, row bytes, rows
+
+    def address(self, bitmask: np.ndarray, width: int, row: int) -> tuple[int, int]:
+        last = self._last
+        # The shape too: an in-place ndarray.resize would move the memory.
+        if last is None or last[0]() is not bitmask or last[1] != width or last[4] != bitmask.shape[0]:
+            _check_bitmask(bitmask, width)
+            last = self._last = (weakref.ref(bitmask), width, bitmask.ctypes.data, bitmask.strides[0], bitmask.shape[0])
+        if not 0 <= row < last[4]:  # llguidance writes where it is told: never past the array
+            raise IndexError(f"bitmask row {row} is out of range for {last[4]} rows")
+        return last[2] + row * last[3], last[3]
+
+
+_rows = _RowAddresses()
 
 
 def _fill_row(matcher: LLMatcher, bitmask: np.ndarray, row: int) -> None:
