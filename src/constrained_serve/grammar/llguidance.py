@@ -14,6 +14,7 @@ import re
 import time
 import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import llguidance
 import numpy as np
@@ -101,8 +102,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._m.consume_token(token)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        address, nbytes = _rows.address(bitmask, self._width, row)
-        self._m.unsafe_compute_mask_ptr(address, nbytes)
+        _fill_row(self._m, bitmask, row, self._width)
 
     def forced_tokens(self) -> list[int]:
         if self._m.is_stopped():
@@ -167,35 +167,36 @@ def _located(spec: OutputSpec, error: str) -> str:
     return error
 
 
-class _RowAddresses:
-    """Where each row of the bitmask last filled lies in memory. Checking a bitmask and taking
-    ``bitmask[row].ctypes.data`` costs ~1.2 us a fill, 256 fills a step in a mask worker, which
-    always fills the same shared bitmask: it is checked once, and its rows' addresses are
-    computed from its own (the array is held by a weak reference, so a freed array's id
-    reused by another is never mistaken for it)."""
+class _CheckedBitmask(NamedTuple):
+    """A bitmask ``_fill_row`` checked, and where its rows lie in memory."""
 
-    def __init__(self) -> None:
-        self._last: tuple[weakref.ref, int, int, int, int] | None = None  # array, width, address, row bytes, rows
-
-    def address(self, bitmask: np.ndarray, width: int, row: int) -> tuple[int, int]:
-        last = self._last
-        # The shape too: an in-place ndarray.resize would move the memory.
-        if last is None or last[0]() is not bitmask or last[1] != width or last[4] != bitmask.shape[0]:
-            _check_bitmask(bitmask, width)
-            last = self._last = (weakref.ref(bitmask), width, bitmask.ctypes.data, bitmask.strides[0], bitmask.shape[0])
-        if not 0 <= row < last[4]:  # llguidance writes where it is told: never past the array
-            raise IndexError(f"bitmask row {row} is out of range for {last[4]} rows")
-        return last[2] + row * last[3], last[3]
+    array: weakref.ref  # a freed array's id, reused by another, is never mistaken for it
+    width: int
+    address: int
+    row_bytes: int
+    rows: int
 
 
-_rows = _RowAddresses()
+_last_checked: _CheckedBitmask | None = None
 
 
-def _fill_row(matcher: LLMatcher, bitmask: np.ndarray, row: int) -> None:
-    """What llguidance.numpy.fill_next_token_bitmask does, on a row the caller checked
-    (contiguous int32 [rows, width]); llguidance writes the row in place."""
-    v = bitmask[row]
-    matcher.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
+def _fill_row(matcher: LLMatcher, bitmask: np.ndarray, row: int, width: int) -> None:
+    """What llguidance.numpy.fill_next_token_bitmask does: llguidance writes ``bitmask[row]``
+    (contiguous int32 [rows, width]) in place. Checking the array and taking
+    ``bitmask[row].ctypes.data`` cost ~1.2 us a fill, 256 fills a step in a mask worker, which
+    always fills the same shared bitmask: so the bitmask last filled is checked once, and its
+    rows' addresses are computed from its own."""
+    global _last_checked
+    last = _last_checked
+    # The shape too: an in-place ndarray.resize would move the memory.
+    if last is None or last.array() is not bitmask or last.width != width or last.rows != bitmask.shape[0]:
+        _check_bitmask(bitmask, width)
+        last = _last_checked = _CheckedBitmask(
+            weakref.ref(bitmask), width, bitmask.ctypes.data, bitmask.strides[0], bitmask.shape[0]
+        )
+    if not 0 <= row < last.rows:  # llguidance writes where it is told: never past the array
+        raise IndexError(f"bitmask row {row} is out of range for {last.rows} rows")
+    matcher.unsafe_compute_mask_ptr(last.address + row * last.row_bytes, last.row_bytes)
 
 
 def _check_bitmask(bitmask: np.ndarray, width: int) -> None:
@@ -277,7 +278,7 @@ class LLGuidanceBackend(GrammarBackend):
         m = template.deep_copy()
         row = np.zeros((1, self.width), dtype=np.int32)
         for _ in range(_PROBE_STEPS):
-            _fill_row(m, row, 0)
+            _fill_row(m, row, 0, self.width)
             if m.is_error():
                 reason = m.get_error().split("\n", 1)[0]
                 if reason.startswith("NoExtension"):  # a dead end: the engine explains those
