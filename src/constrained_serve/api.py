@@ -23,7 +23,7 @@ from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
 from .engine import EngineCore
-from .inputs import EngineInputs, Messages, ParamsArg, split_chat_messages
+from .inputs import Call, EngineInputs, Messages
 from .models import loader
 from .models.llama import sliding_window_of
 from .params import SamplingParams
@@ -205,16 +205,8 @@ class Engine(EngineInputs, EngineStreaming):
         """Raw prompts (no chat template). One Result per prompt, in input order.
 
         ``params`` is one SamplingParams for all prompts or a list with one per prompt."""
-        single = isinstance(prompts, str)
-        return self._run(
-            [prompts] if single else list(prompts),
-            params,
-            chat=False,
-            progress=progress,
-            raise_on_error=raise_on_error,
-            spec_kwargs=spec_kwargs,
-            single=single,
-        )
+        call = Call.of(prompts, params, False, spec_kwargs, raise_on_error=raise_on_error, progress=progress)
+        return list(self._iter(call))
 
     def chat(
         self,
@@ -228,41 +220,8 @@ class Engine(EngineInputs, EngineStreaming):
         """Message lists, rendered with the model's chat template. One Result per conversation.
 
         ``params`` is one SamplingParams for all conversations or a list with one per conversation."""
-        items, single = split_chat_messages(messages)
-        return self._run(
-            items,
-            params,
-            chat=True,
-            progress=progress,
-            raise_on_error=raise_on_error,
-            spec_kwargs=spec_kwargs,
-            single=single,
-        )
-
-    def _run(
-        self,
-        items: list[Any],
-        params: ParamsArg,
-        *,
-        chat: bool,
-        progress: bool,
-        raise_on_error: bool,
-        spec_kwargs: dict[str, Any],
-        single: bool,
-    ) -> list[Result]:
-        return list(
-            self._iter(
-                items,
-                params,
-                chat=chat,
-                progress=progress,
-                raise_on_error=raise_on_error,
-                spec_kwargs=spec_kwargs,
-                single=single,
-                max_in_flight=None,
-                total=len(items),
-            )
-        )
+        call = Call.of(messages, params, True, spec_kwargs, raise_on_error=raise_on_error, progress=progress)
+        return list(self._iter(call))
 
     def generate_iter(
         self,
@@ -280,41 +239,23 @@ class Engine(EngineInputs, EngineStreaming):
         counts ``n``), so memory stays bounded however long the iterable.
 
         Per-item problems (too long, bad per-item input) come back as error Results."""
-        return self._iter(
-            prompts,
-            params,
-            chat=chat,
-            progress=progress,
-            raise_on_error=raise_on_error,
-            spec_kwargs=spec_kwargs,
-            single=False,
-            max_in_flight=max_in_flight,
-            total=None,
-        )
+        call = Call(prompts, params, chat, spec_kwargs, raise_on_error=raise_on_error, progress=progress)
+        return self._iter(call, max_in_flight)
 
-    def _iter(
-        self,
-        items: Iterable[Any],
-        params: ParamsArg,
-        *,
-        chat: bool,
-        progress: bool,
-        raise_on_error: bool,
-        spec_kwargs: dict[str, Any],
-        single: bool,
-        max_in_flight: int | None,
-        total: int | None,
-    ) -> Iterator[Result]:
-        plan = self._plan(items, params, chat, spec_kwargs)
+    def _iter(self, call: Call, max_in_flight: int | None = None) -> Iterator[Result]:
+        """The call's Results in input order, stepping the engine meanwhile. With
+        ``max_in_flight`` None every item is submitted at once (generate, chat: a list)."""
+        plan = self._plan(call)
         bar = None
-        if progress:
+        if call.progress:
             from tqdm.auto import tqdm
 
+            total = len(call.items) if max_in_flight is None and isinstance(call.items, list) else None
             bar = tqdm(total=total, desc="generate", unit="req")
         pending: deque[tuple[int, Any, Request | Result]] = deque()
         limit = max_in_flight or (1 << 62)
         in_flight = 0  # entries not handed back, weighed in requests: n for a prompt sampled n times
-        it = iter(enumerate(items))
+        it = iter(enumerate(call.items))
         exhausted = False
         try:
             while True:
@@ -324,12 +265,9 @@ class Engine(EngineInputs, EngineStreaming):
                         exhausted = True
                         break
                     i, item = nxt
-                    try:
-                        group = self._requests_for(plan, i, item)
-                    except (ValueError, TypeError) as e:
-                        if single or raise_on_error:
-                            raise
-                        pending.append((i, item, outputs.error_result(i, e, item)))
+                    group = self._requests_or_error(call, plan, i, item)
+                    if isinstance(group, Result):
+                        pending.append((i, item, group))
                         in_flight += 1
                         continue
                     with self._core_lock:
@@ -341,7 +279,7 @@ class Engine(EngineInputs, EngineStreaming):
                 while pending and _done(pending[0][2]):
                     i, item, x = pending.popleft()
                     in_flight -= max(1, len(_requests(x)))
-                    res = self._hand_back(x, item, raise_on_error)
+                    res = self._hand_back(x, item, call.raise_on_error)
                     if bar is not None:
                         bar.update(1)
                     yield res

@@ -25,9 +25,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import outputs
 from .errors import OutputError
-from .inputs import ParamsArg, split_chat_messages
+from .inputs import Call
 from .params import SamplingParams
 from .request import Request
 from .result import Result
@@ -207,15 +206,7 @@ class AsyncEngine:
         **spec_kwargs: Any,
     ) -> list[Result]:
         """As ``Engine.generate``: raw prompts, one Result per prompt, in input order."""
-        single = isinstance(prompts, str)
-        return await self._run(
-            [prompts] if single else list(prompts),
-            params,
-            chat=False,
-            raise_on_error=raise_on_error,
-            spec_kwargs=spec_kwargs,
-            single=single,
-        )
+        return await self._run(Call.of(prompts, params, False, spec_kwargs, raise_on_error=raise_on_error))
 
     async def chat(
         self,
@@ -226,24 +217,12 @@ class AsyncEngine:
         **spec_kwargs: Any,
     ) -> list[Result]:
         """As ``Engine.chat``: message lists through the chat template."""
-        items, single = split_chat_messages(messages)
-        return await self._run(
-            items, params, chat=True, raise_on_error=raise_on_error, spec_kwargs=spec_kwargs, single=single
-        )
+        return await self._run(Call.of(messages, params, True, spec_kwargs, raise_on_error=raise_on_error))
 
-    async def _run(
-        self,
-        items: list[Any],
-        params: ParamsArg,
-        *,
-        chat: bool,
-        raise_on_error: bool,
-        spec_kwargs: dict[str, Any],
-        single: bool,
-    ) -> list[Result]:
+    async def _run(self, call: Call) -> list[Result]:
         eng = self.engine
         # Tokenizing and compiling take milliseconds to seconds: not on the event loop.
-        entries = await asyncio.to_thread(self._build, items, params, chat, raise_on_error, spec_kwargs, single)
+        entries = await asyncio.to_thread(self._build, call)
         requests = [r for x in entries if isinstance(x, list) for r in x]
         if requests:
             loop = asyncio.get_running_loop()
@@ -259,30 +238,13 @@ class AsyncEngine:
                 self._stepper.cancel(requests)
                 raise
         return [
-            eng._hand_back(x if not isinstance(x, list) or len(x) > 1 else x[0], item, raise_on_error)
-            for x, item in zip(entries, items)
+            eng._hand_back(x if not isinstance(x, list) or len(x) > 1 else x[0], item, call.raise_on_error)
+            for x, item in zip(entries, call.items)
         ]
 
-    def _build(
-        self,
-        items: list[Any],
-        params: ParamsArg,
-        chat: bool,
-        raise_on_error: bool,
-        spec_kwargs: dict[str, Any],
-        single: bool,
-    ) -> list[list[Request] | Result]:
-        eng = self.engine
-        plan = eng._plan(items, params, chat, spec_kwargs)
-        out: list[list[Request] | Result] = []
-        for i, item in enumerate(items):
-            try:
-                out.append(eng._requests_for(plan, i, item))
-            except (ValueError, TypeError) as e:
-                if single or raise_on_error:
-                    raise
-                out.append(outputs.error_result(i, e, item))
-        return out
+    def _build(self, call: Call) -> list[list[Request] | Result]:
+        plan = self.engine._plan(call)
+        return [self.engine._requests_or_error(call, plan, i, item) for i, item in enumerate(call.items)]
 
     async def stream(
         self, prompt: Any, params: SamplingParams | None = None, *, partial: bool = False, **spec_kwargs: Any
@@ -350,7 +312,8 @@ class AsyncEngine:
         if params.n != 1:
             raise ValueError(f"stream yields one completion: n must be 1, got {params.n}")
         chat = not isinstance(prompt, str)
-        [group] = await asyncio.to_thread(self._build, [prompt], params, chat, True, spec_kwargs, True)
+        call = Call([prompt], params, chat, spec_kwargs, raise_on_error=True, single=True)
+        [group] = await asyncio.to_thread(self._build, call)
         return Stream(self, group[0], prompt)
 
 

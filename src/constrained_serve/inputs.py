@@ -10,10 +10,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import outputs
 from .config import EngineConfig
 from .errors import GrammarError, PromptTooLongError
 from .params import OutputSpec, SamplingParams
 from .request import GrammarState, Request
+from .result import Result
 from .sampler import step_seed
 
 if TYPE_CHECKING:
@@ -44,6 +46,39 @@ def split_chat_messages(messages: Any) -> tuple[list[Messages], bool]:
         )
     single = len(messages) > 0 and isinstance(messages[0], dict)
     return ([messages] if single else list(messages)), single
+
+
+@dataclass(frozen=True)
+class Call:
+    """One generate / chat / generate_iter call as asked (``Engine`` and ``AsyncEngine``):
+    its items, one Result each, and how a problem of one item comes back."""
+
+    items: Iterable[Any]  # prompts (text or token ids) or conversations; a list, or any iterable
+    params: ParamsArg
+    chat: bool
+    spec_kwargs: dict[str, Any]
+    raise_on_error: bool = False
+    single: bool = False  # one prompt or conversation given bare: its problem raises
+    progress: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        given: Any,
+        params: ParamsArg,
+        chat: bool,
+        spec_kwargs: dict[str, Any],
+        *,
+        raise_on_error: bool = False,
+        progress: bool = False,
+    ) -> Call:
+        """generate()'s prompt or prompts, or chat()'s conversation or conversations."""
+        if chat:
+            items, single = split_chat_messages(given)
+        else:
+            single = isinstance(given, str)
+            items = [given] if single else list(given)
+        return cls(items, params, chat, spec_kwargs, raise_on_error, single, progress)
 
 
 @dataclass(frozen=True)
@@ -154,9 +189,10 @@ class EngineInputs:
             raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
         return backend, spec_args
 
-    def _plan(self, items: Iterable[Any], params: ParamsArg, chat: bool, spec_kwargs: dict[str, Any]) -> "_CallPlan":
+    def _plan(self, call: Call) -> _CallPlan:
         """What every item of one call shares: its params, its spec(s), the grammar backend.
         A bad shared spec raises here, before any model work."""
+        items, params, chat, spec_kwargs = call.items, call.params, call.chat, call.spec_kwargs
         params_at = self._params_per_item(items, params)
         backend, spec_args = self._spec_args(spec_kwargs)
         if isinstance(items, list):
@@ -178,13 +214,23 @@ class EngineInputs:
                 self.grammar.compile(shared_spec, backend, max(timeouts) if all(timeouts) and timeouts else None)
         return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat)
 
-    def _requests_for(self, plan: "_CallPlan", i: int, item: Any) -> list[Request]:
+    def _requests_for(self, plan: _CallPlan, i: int, item: Any) -> list[Request]:
         """The request(s) of item i of a call: one, or n for SamplingParams(n). A problem of
         this item alone (too long, a bad per-item spec) raises ValueError/TypeError."""
         spec = self.make_spec(**plan.per_item_specs[i]) if plan.per_prompt else plan.shared_spec
         ids = self.encode_chat(item) if plan.chat else self._encode_raw(item)
         p = plan.params_at(i)
         return [self._new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
+
+    def _requests_or_error(self, call: Call, plan: _CallPlan, i: int, item: Any) -> list[Request] | Result:
+        """``_requests_for``, or an error Result for a problem of item i alone (raised instead
+        for a bare prompt, or with raise_on_error)."""
+        try:
+            return self._requests_for(plan, i, item)
+        except (ValueError, TypeError) as e:
+            if call.single or call.raise_on_error:
+                raise
+            return outputs.error_result(i, e, item)
 
     @staticmethod
     def _params_per_item(items: Iterable[Any], params: ParamsArg) -> Callable[[int], SamplingParams]:
