@@ -71,13 +71,11 @@ def _save_tiny(tmp_path_factory, name, config, tokenizer):
 def tiny_llama_dir(tmp_path_factory, default_tokenizer):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
-        vocab_size=len(default_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    from .models.helpers import small_config
+
+    cfg = small_config(
+        LlamaConfig,
+        default_tokenizer,
         max_position_embeddings=1024,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -89,8 +87,6 @@ def tiny_llama_dir(tmp_path_factory, default_tokenizer):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 256,
         },
-        bos_token_id=1,
-        eos_token_id=2,
     )
     return _save_tiny(tmp_path_factory, "tiny_llama", cfg, default_tokenizer)
 
@@ -99,18 +95,10 @@ def tiny_llama_dir(tmp_path_factory, default_tokenizer):
 def tiny_qwen3_dir(tmp_path_factory, default_tokenizer):
     from transformers import Qwen3Config
 
-    cfg = Qwen3Config(
-        vocab_size=len(default_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
+    from .models.helpers import small_config
+
+    cfg = small_config(
+        Qwen3Config, default_tokenizer, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True
     )
     return _save_tiny(tmp_path_factory, "tiny_qwen3", cfg, default_tokenizer)
 

@@ -76,7 +76,9 @@ def save_random(tmp_path, config, tokenizer):
 
 
 def small_config(cls, tok, **kw):
-    return cls(
+    """A config of ``cls`` (LlamaConfig, Qwen3Config, ...) for tokenizer ``tok``: 2 layers, 64
+    wide, 4 query heads over 2 KV heads; ``kw`` adds or overrides fields."""
+    base = dict(
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
@@ -86,5 +88,5 @@ def small_config(cls, tok, **kw):
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
-        **kw,
     )
+    return cls(**(base | kw))

@@ -259,6 +259,30 @@ def paged_attention_triton(
         HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n, DOT_FP32=dot_fp32, num_warps=num_warps, num_stages=num_stages
     )
 
+    def launch(grid: tuple[int, int, int], first_seq: int, bm: int) -> None:
+        """The tiled kernel over sequences first_seq.. (grid[0] of them), bm rows a tile."""
+        _paged_attn_kernel[grid](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale_log2,
+            first_seq,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.block_tables.stride(0),
+            *k_strides,
+            *v_strides,
+            GROUP=group,
+            BLOCK_M=bm,
+            **common,
+        )
+
     # Decodes and prefill chunks are launched apart: a decode needs only its GQA group's rows
     # (a prefill tile of 64 rows would be mostly padding), and may split its KV range.
     if nd and num_splits > 1:
@@ -295,51 +319,9 @@ def paged_attention_triton(
             HEAD_DIM=d,
         )
     elif nd:
-        bm = max(min_m, _next_pow2(group))
-        _paged_attn_kernel[(nd, hkv, 1)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables,
-            scale_log2,
-            0,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            meta.block_tables.stride(0),
-            *k_strides,
-            *v_strides,
-            GROUP=group,
-            BLOCK_M=bm,
-            **common,
-        )
+        launch((nd, hkv, 1), 0, max(min_m, _next_pow2(group)))
     if npf:
         # 64 rows of (token, group head) keep the fp32 accumulator in registers at head_dim 128.
         bm = max(min_m, _next_pow2(block_m or 64), _next_pow2(group))
-        block_q = bm // group
-        _paged_attn_kernel[(npf, hkv, -(-meta.max_query_len // block_q))](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables,
-            scale_log2,
-            nd,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            meta.block_tables.stride(0),
-            *k_strides,
-            *v_strides,
-            GROUP=group,
-            BLOCK_M=bm,
-            **common,
-        )
+        launch((npf, hkv, -(-meta.max_query_len // (bm // group))), nd, bm)
     return out
