@@ -1,0 +1,168 @@
+"""How much of a CPU decode round the attention takes, and what a one-pass kernel could gain.
+
+The workload of `vs_vllm_cpu.py` (64 chats, 96 tokens each, greedy, fp32, 2 threads, warm
+prefix cache), with `ignore_eos` so that every round does the same work. Rounds alternate:
+
+- "real": the engine as users get it;
+- "no attention": the same engine with the paged attention replaced by a copy of the query
+  (every other operation, the KV writes included, unchanged; the text is garbage, the work
+  per token the same). The difference is what the attention costs a round.
+
+Then the bound: the KV bytes a one-pass kernel must read in a round (every decode step reads
+its row's whole context, K and V, every layer), over this machine's streaming read bandwidth
+(a 1 GiB `sum`), added to the "no attention" time. That is what a paged-attention kernel that
+reads the pages in place at full bandwidth would give; torch has none on CPU (see RESULTS.md).
+
+With --forms, also one decode step's attention in isolation (30 layers, 64 rows x 256 keys,
+3 KV heads of 64, GQA 3, fp32, pages scattered in a pool as the engine's): the engine's form
+(page gather, then two batched GEMMs), the same GEMMs over per-row contiguous K/V (no gather:
+the best any layout gives torch's GEMMs), SDPA over those, and a plain read of the same bytes.
+
+    python benchmarks/attention_bound.py [--repeats 3] [--n 64] [--max-tokens 96] [--forms]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import chat_workload, engine_parser, median, per_round, save, timed  # noqa: E402
+
+import constrained_serve.kernels.dispatch as dispatch  # noqa: E402
+from constrained_serve import Engine, SamplingParams  # noqa: E402
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Streaming read bandwidth: GB/s of a `sum` over a tensor far larger than the caches."""
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    x.sum()
+    t, _ = timed(lambda: [x.sum() for _ in range(repeats)])
+    return repeats * x.numel() * 4 / t / 1e9
+
+
+def torch_forms(layers=30, rows=64, pages=16, page=16, hkv=3, group=3, d=64, pool_pages=2049) -> dict[str, float]:
+    """ms per decode step of each form of the attention (see the docstring), medians of 5."""
+    g = torch.Generator().manual_seed(0)
+    n_keys, b = pages * page, hkv * rows
+    k_pool = [torch.randn(pool_pages * hkv, page * d, generator=g) for _ in range(layers)]
+    v_pool = [torch.randn(pool_pages * hkv, page * d, generator=g) for _ in range(layers)]
+    table = torch.randperm(pool_pages, generator=g)[: rows * pages].view(rows, pages)
+    index = (table[None] * hkv + torch.arange(hkv)[:, None, None]).reshape(-1)  # head-major, as kv_layout
+    k_rows = [torch.randn(b, n_keys, d, generator=g) for _ in range(layers)]
+    v_rows = [torch.randn(b, n_keys, d, generator=g) for _ in range(layers)]
+    q = torch.randn(b, group, d, generator=g)
+    bias = torch.zeros(b, group, n_keys)
+    k_buf, v_buf = torch.empty(index.numel(), page * d), torch.empty(index.numel(), page * d)
+
+    def gemms(k, v):
+        return torch.bmm(torch.baddbmm(bias, q, k.transpose(1, 2), alpha=d**-0.5).softmax(-1), v)
+
+    def gathered():
+        for k, v in zip(k_pool, v_pool):
+            gemms(
+                torch.index_select(k, 0, index, out=k_buf).view(b, n_keys, d),
+                torch.index_select(v, 0, index, out=v_buf).view(b, n_keys, d),
+            )
+
+    def contiguous():
+        for k, v in zip(k_rows, v_rows):
+            gemms(k, v)
+
+    def sdpa():
+        qs = q.view(hkv, rows, group, d).transpose(0, 1)
+        for k, v in zip(k_rows, v_rows):
+            kv = (x.view(hkv, rows, n_keys, d).transpose(0, 1) for x in (k, v))
+            torch.nn.functional.scaled_dot_product_attention(qs, *kv)
+
+    def read():
+        for k, v in zip(k_rows, v_rows):
+            k.sum(), v.sum()
+
+    out = {}
+    with torch.inference_mode():
+        for name, fn in (("gather_then_gemms", gathered), ("contiguous_gemms", contiguous), ("contiguous_sdpa", sdpa)):
+            fn()
+            out[name] = median([timed(fn)[0] for _ in range(5)]) * 1e3
+        read()
+        out["read_only"] = median([timed(read)[0] for _ in range(5)]) * 1e3
+    gb = layers * 2 * b * n_keys * d * 4 / 1e9
+    for name, ms in out.items():
+        print(f"  {name:<18} {ms:6.1f} ms a step ({gb / ms * 1e3:5.1f} GB/s of KV)")
+    return out
+
+
+def main() -> None:
+    ap = engine_parser(__doc__, repeats=3, n=64, max_tokens=96)
+    ap.add_argument("--forms", action="store_true", help="also time the attention's forms in isolation")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    forms = torch_forms() if args.forms else None
+    convs = chat_workload(args.n)
+    engine = Engine(model=args.model, num_threads=args.threads, max_num_seqs=max(64, args.n))
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    real = dispatch.paged_attention
+
+    def query_copy(q, k_cache, v_cache, meta, scale):
+        return q.clone()
+
+    def go():
+        rs = engine.chat(convs, params)
+        return sum(r.usage.completion_tokens for r in rs), [r.usage.prompt_tokens for r in rs]
+
+    _, prompt_lens = go()  # warm-up: first-call allocations, the prefix cache filled
+    runs: dict[str, list[float]] = {"real": [], "no_attention": []}
+    tokens = 0
+    try:
+        for k in range(args.repeats):
+            for name, fn in (("real", real), ("no_attention", query_copy)):
+                dispatch.paged_attention = fn
+                t, (tokens, _) = timed(go)
+                runs[name].append(t)
+                print(f"  round {k + 1}: {name:<13} {t:6.2f} s  {tokens / t:6.1f} tokens/s", flush=True)
+    finally:
+        dispatch.paged_attention = real
+
+    arch = engine.model.arch
+    kv_bytes_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * engine.dtype.itemsize
+    # Decode step i of a row reads its prompt and the i tokens it has written.
+    token_steps = sum(p + i for p in prompt_lens for i in range(args.max_tokens))
+    kv_gb = token_steps * kv_bytes_per_token / 1e9
+    bandwidth = read_bandwidth_gbs()
+    t_real, t_none = median(runs["real"]), median(runs["no_attention"])
+    one_pass_s = kv_gb / bandwidth
+    bound_s = t_none + one_pass_s
+    result = {
+        "args": vars(args),
+        "output_tokens": tokens,
+        "real_s": t_real,
+        "no_attention_s": t_none,
+        "attention_s": t_real - t_none,
+        "attention_share": (t_real - t_none) / t_real,
+        "ratio_no_attention": per_round(runs["real"], runs["no_attention"]),
+        "kv_read_gb": kv_gb,
+        "read_bandwidth_gbs": bandwidth,
+        "attention_effective_gbs": kv_gb / (t_real - t_none),
+        "one_pass_attention_s": one_pass_s,
+        "bound_s": bound_s,
+        "bound_tokens_per_s": tokens / bound_s,
+        "real_tokens_per_s": tokens / t_real,
+        "runs": runs,
+        "forms_ms_per_step": forms,
+    }
+    print(
+        f"attention: {t_real - t_none:.2f} s of {t_real:.2f} s a round ({result['attention_share'] * 100:.0f}%), "
+        f"reading {kv_gb:.1f} GB of KV at {result['attention_effective_gbs']:.1f} GB/s effective"
+    )
+    print(
+        f"one pass at the machine's read bandwidth ({bandwidth:.1f} GB/s): {one_pass_s:.2f} s -> "
+        f"{bound_s:.2f} s a round, {tokens / bound_s:.0f} tokens/s ({t_real / bound_s:.2f}x today's "
+        f"{tokens / t_real:.0f})"
+    )
+    print("saved", save("attention_bound", result))
+
+
+if __name__ == "__main__":
+    main()
