@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..batch import AttentionMetadata
+from . import native_decode
 from .kv_layout import heads_view
 from .long_chunks import attend_long, long_chunks
 from .short_rows import attend_short, short_groups
@@ -44,7 +45,11 @@ def paged_attention_torch(
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     out = torch.empty_like(q)
-    for g in short_groups(meta, page_size, group, q.device):
+    # Decode rows: read in place by the native kernel where it runs (fp32, head-major pool).
+    native = native_decode.supports(q, k_cache, v_cache)
+    if native:
+        native_decode.attend_decode_rows(q, k_cache, v_cache, meta, scale, out)
+    for g in short_groups(meta, page_size, group, q.device, decodes=not native):
         attend_short(q, k_cache, v_cache, g, scale, out)
     for c in long_chunks(meta, page_size, hkv, group, q.device, q.dtype):
         attend_long(q, k_cache, v_cache, c, scale, out)

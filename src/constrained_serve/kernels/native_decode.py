@@ -1,0 +1,186 @@
+"""The CPU decode rows' attention through a small native kernel (paged_decode_cpu.c).
+
+torch has no paged attention on CPU: its path (short_rows.py) gathers each row's pages, then
+runs batched GEMMs, and the decode rows' attention was 42% of a CPU decode round at about a
+quarter of the machine's read bandwidth (benchmarks/attention_bound.py). The kernel reads the
+pages in place, once. It is compiled on first use with the system C compiler into a cache
+folder (about a second), and loaded with ctypes; no Python extension, no torch headers.
+
+Where it cannot run, the torch path does, with the same results up to float rounding: no C
+compiler (logged once), ``CONSTRAINED_SERVE_NATIVE_ATTENTION=0``, a dtype other than fp32, a
+pool that is not head-major, or sizes past the kernel's limits (GQA group 16, head_dim 256,
+page size 128).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kv_layout import heads_view
+
+if TYPE_CHECKING:
+    from ..batch import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
+ENV_SWITCH = "CONSTRAINED_SERVE_NATIVE_ATTENTION"
+# -march=native: the library is built on the machine that runs it. -fopenmp links libgomp,
+# which resolves to the copy torch has already loaded (same soname): one thread pool for both,
+# and each call asks for torch.get_num_threads() threads. -ffast-math lets the compiler
+# vectorize the dot products' sums and expf (the results stay within 1e-5 of float64).
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+MAX_GROUP, MAX_DIM, MAX_PAGE = 16, 256, 128
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "constrained_serve" / "native"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cc: str) -> Path:
+    """The shared object for this source, compiler and flags: built once per machine (the file
+    name is their hash), written to a temporary name first so concurrent builds cannot clash."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS, version]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"paged_decode_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        proc = subprocess.run(
+            [cc, *CFLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], capture_output=True, text=True, timeout=120
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp_out, out)
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, building it on first use; None where it is switched off or cannot
+    be built (the reason is logged once)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get(ENV_SWITCH, "1") == "0":
+                logger.info("native CPU decode attention off (%s=0): torch path", ENV_SWITCH)
+            elif not sys.platform.startswith("linux"):
+                logger.info("native CPU decode attention is built on Linux only: torch path")
+            elif (cc := _compiler()) is None:
+                logger.warning("no C compiler (cc, gcc or clang): CPU decode attention takes the slower torch path")
+            else:
+                lib = ctypes.CDLL(str(_build(cc)))
+                fn = lib.paged_decode_f32
+                i64, ptr = ctypes.c_int64, ctypes.c_void_p
+                fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]
+                fn.argtypes += [ctypes.c_float, ctypes.c_int]  # the scale, the threads
+                fn.restype = ctypes.c_int
+                _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            logger.warning("building the native CPU decode attention failed, the torch path runs instead: %s", e)
+        _tried = True
+        return _lib
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel can take this layer's decode rows (and is available)."""
+    _, page_size, hkv, d = k_cache.shape
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and q.stride(-1) == 1
+        and q.stride(1) == d
+        and q.shape[1] % hkv == 0
+        and q.shape[1] // hkv <= MAX_GROUP
+        and d <= MAX_DIM
+        and page_size <= MAX_PAGE
+        and heads_view(k_cache) is not None
+        and heads_view(v_cache) is not None
+        and library() is not None
+    )
+
+
+def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The step's decode rows (sequences with one query token), built once per step: their
+    sequence and token indices, and int32 block tables and lengths as the kernel reads them."""
+    key = ("native decode rows",)
+    if key not in meta.plan_cache:
+        starts = meta.query_starts_host
+        seqs = [b for b, n in enumerate(meta.query_lens_host) if n == 1]
+        if not seqs:
+            meta.plan_cache[key] = None
+        else:
+            meta.plan_cache[key] = (
+                torch.tensor(seqs, dtype=torch.int64),
+                torch.tensor([starts[b] for b in seqs], dtype=torch.int64),
+                meta.block_tables.to(torch.int32).contiguous(),
+                meta.seq_lens.to(torch.int32).contiguous(),
+            )
+    return meta.plan_cache[key]
+
+
+def attend_decode_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Write the decode rows' attention into ``out`` ([tokens, Hq, D]); ``supports`` first."""
+    rows = _rows(meta)
+    if rows is None:
+        return
+    row_seq, row_tok, tables, lens = rows
+    num_pages, page_size, hkv, d = k_cache.shape
+    k, v, lib = heads_view(k_cache), heads_view(v_cache), library()
+    assert k is not None and v is not None and lib is not None and out.stride(-1) == 1 and out.stride(1) == d
+    rc = lib.paged_decode_f32(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        num_pages,
+        tables.data_ptr(),
+        tables.stride(0),
+        row_seq.data_ptr(),
+        row_tok.data_ptr(),
+        lens.data_ptr(),
+        row_seq.numel(),
+        out.data_ptr(),
+        out.stride(0),
+        hkv,
+        q.shape[1] // hkv,
+        d,
+        page_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native decode attention refused its sizes (group, head_dim {d}, page size {page_size})")

@@ -1,0 +1,125 @@
+"""The native CPU decode attention (kernels/paged_decode_cpu.c via native_decode.py): the same
+results as the float64 reference and as the torch path, its fallbacks, and the huge-page
+advice on the CPU pool it reads."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from constrained_serve.kernels import attention, kv_layout, native_decode
+
+from .helpers import assert_matches_dense, paged_case
+
+
+def _torch_path(q, kc, vc, meta, scale, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(native_decode, "supports", lambda *a: False)
+        meta.plan_cache.clear()
+        out = attention.paged_attention_torch(q, kc, vc, meta, scale)
+    meta.plan_cache.clear()
+    return out
+
+
+def _lengths(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice([1, 2, 15, 16, 17, 31, 33, 64, 100, 257]) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "hkv,group,d,page_size",
+    [
+        (3, 3, 64, 16),  # SmolLM2-135M: a compiled-in instance
+        (2, 4, 128, 16),  # Llama-3 shapes
+        (1, 1, 64, 8),
+        (2, 5, 32, 4),  # the generic code path (group and head_dim not compiled in)
+        (1, 16, 256, 128),  # every limit at once
+    ],
+)
+def test_native_decode_rows_match_the_dense_reference(hkv, group, d, page_size):
+    lens = _lengths(12, seed=hkv * 100 + group)
+    q, kc, vc, meta, kf, vf = paged_case(
+        [1] * len(lens), lens, page_size=page_size, hkv=hkv, group=group, d=d, head_major=True
+    )
+    assert native_decode.supports(q, kc, vc), "the native kernel should build and take this case"
+    assert_matches_dense(q, kc, vc, meta, kf, vf, scale=d**-0.5)
+
+
+def test_native_and_torch_paths_agree_on_a_mixed_batch(monkeypatch):
+    """Decodes (native) beside short chunks and a long chunk (torch path, unchanged), and
+    1-token chunks after a chunk (decode rows that are not at the front of the batch)."""
+    decodes = _lengths(9, seed=7)
+    qlens = [1] * 9 + [3, 1, 5, 1, 40]
+    lens = decodes + [20, 33, 16, 70, 90]
+    q, kc, vc, meta, kf, vf = paged_case(qlens, lens, hkv=3, group=3, head_major=True)
+    assert native_decode.supports(q, kc, vc)
+    native = attention.paged_attention_torch(q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(native, _torch_path(q, kc, vc, meta, 0.125, monkeypatch), atol=1e-5, rtol=1e-5)
+    assert_matches_dense(q, kc, vc, meta, kf, vf)
+
+
+def test_native_decode_reads_shared_prefix_pages():
+    """Rows whose first pages are one cached prefix (the torch path's cascade case)."""
+    lens = [40, 41, 60, 75, 33, 90]
+    q, kc, vc, meta, kf, vf = paged_case([1] * 6, lens, hkv=2, group=3, head_major=True, shared_pages=2)
+    assert native_decode.supports(q, kc, vc)
+    assert_matches_dense(q, kc, vc, meta, kf, vf)
+
+
+def test_torch_path_where_the_kernel_does_not_apply():
+    q, kc, vc, *_ = paged_case([1, 1], [5, 20], hkv=2, group=2, head_major=True, dtype=torch.bfloat16)
+    assert not native_decode.supports(q, kc, vc)  # fp32 only
+    q, kc, vc, *_ = paged_case([1, 1], [5, 20], hkv=2, group=2, head_major=False)
+    assert not native_decode.supports(q, kc, vc)  # a contiguous (GPU-layout) pool
+    q, kc, vc, *_ = paged_case([1], [5], hkv=1, group=17, d=16, head_major=True)
+    assert not native_decode.supports(q, kc, vc)  # past the kernel's GQA group limit
+
+
+@pytest.mark.parametrize("how", ["no compiler", "switched off"])
+def test_without_the_kernel_the_torch_path_runs(how, monkeypatch, caplog):
+    monkeypatch.setattr(native_decode, "_tried", False)
+    monkeypatch.setattr(native_decode, "_lib", None)
+    if how == "no compiler":
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+    else:
+        monkeypatch.setenv(native_decode.ENV_SWITCH, "0")
+    q, kc, vc, meta, kf, vf = paged_case([1] * 4, [3, 16, 17, 50], hkv=2, group=3, head_major=True)
+    with caplog.at_level(logging.INFO, logger=native_decode.__name__):
+        assert native_decode.library() is None
+        assert not native_decode.supports(q, kc, vc)
+    assert ("failed" if how == "no compiler" else "off") in caplog.text
+    assert_matches_dense(q, kc, vc, meta, kf, vf)
+
+
+def test_the_build_is_cached_per_source_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cc = native_decode._compiler()
+    assert cc is not None, "no C compiler: install gcc (the native CPU decode attention is built with it)"
+    first = native_decode._build(cc)
+    assert first.parent == tmp_path / "constrained_serve" / "native" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native_decode._build(cc) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.setattr(native_decode, "CFLAGS", [*native_decode.CFLAGS, "-DDIFFERENT"])
+    assert native_decode._build(cc) != first
+
+
+def test_cpu_pool_is_zeroed_and_advised_huge_pages():
+    pool = kv_layout.allocate_pool(1024, 16, 3, 64, torch.float32, torch.device("cpu"), head_major=True)
+    assert pool.abs().sum() == 0
+    base = kv_layout.heads_view(pool).data_ptr()
+    inside = -(-base // (2 << 20)) * (2 << 20)  # the first 2 MiB boundary in the pool
+    flags, current = None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                current = lo <= inside < hi
+            elif current and line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+                break
+    assert flags is not None, "the pool's mapping was not found in /proc/self/smaps"
+    assert "hg" in flags, f"the pool's mapping is not advised huge pages: {flags}"
