@@ -14,9 +14,13 @@ its row's whole context, K and V, every layer), over this machine's streaming re
 reads the pages in place at full bandwidth would give; torch has none on CPU (see RESULTS.md).
 
 With --forms, also one decode step's attention in isolation (30 layers, 64 rows x 256 keys,
-3 KV heads of 64, GQA 3, fp32, pages scattered in a pool as the engine's): the engine's form
-(page gather, then two batched GEMMs), the same GEMMs over per-row contiguous K/V (no gather:
-the best any layout gives torch's GEMMs), SDPA over those, and a plain read of the same bytes.
+3 KV heads of 64, GQA 3, fp32, pages scattered in a pool as the engine's): the torch path's
+form (page gather, then two batched GEMMs), the same GEMMs over per-row contiguous K/V (no
+gather: the best any layout gives torch's GEMMs), SDPA over those, the native kernel reading
+the pages in place (native_decode.py), and a plain read of the same bytes.
+
+Since the native kernel, "real" is the engine with it; CONSTRAINED_SERVE_NATIVE_ATTENTION=0
+measures the torch path.
 
     python benchmarks/attention_bound.py [--repeats 3] [--n 64] [--max-tokens 96] [--forms]
 """
@@ -33,6 +37,9 @@ from common import chat_workload, engine_parser, median, per_round, save, timed 
 
 import constrained_serve.kernels.dispatch as dispatch  # noqa: E402
 from constrained_serve import Engine, SamplingParams  # noqa: E402
+from constrained_serve.batch import AttentionMetadata  # noqa: E402
+from constrained_serve.kernels import native_decode  # noqa: E402
+from constrained_serve.kernels.kv_layout import allocate_pool  # noqa: E402
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
@@ -81,9 +88,36 @@ def torch_forms(layers=30, rows=64, pages=16, page=16, hkv=3, group=3, d=64, poo
         for k, v in zip(k_rows, v_rows):
             k.sum(), v.sum()
 
+    # The native kernel over the same pages, through the engine's pool layout and metadata.
+    pools = [
+        [allocate_pool(pool_pages, page, hkv, d, torch.float32, torch.device("cpu"), head_major=True) for _ in range(2)]
+        for _ in range(layers)
+    ]
+    for kc, vc in pools:
+        kc.normal_(generator=g), vc.normal_(generator=g)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=torch.full((rows,), n_keys, dtype=torch.int32),
+        block_tables=table.to(torch.int32),
+        slot_mapping=torch.zeros(rows, dtype=torch.int64),
+        num_decodes=rows,
+        max_query_len=1,
+        max_seq_len=n_keys,
+        query_lens_host=[1] * rows,
+        seq_lens_host=[n_keys] * rows,
+    )
+    q_tokens, out_tokens = torch.randn(rows, hkv * group, d, generator=g), torch.empty(rows, hkv * group, d)
+
+    def native():
+        for kc, vc in pools:
+            native_decode.attend_decode_rows(q_tokens, kc, vc, meta, d**-0.5, out_tokens)
+
+    forms = [("gather_then_gemms", gathered), ("contiguous_gemms", contiguous), ("contiguous_sdpa", sdpa)]
+    if native_decode.supports(q_tokens, *pools[0]):
+        forms.append(("native_in_place", native))
     out = {}
     with torch.inference_mode():
-        for name, fn in (("gather_then_gemms", gathered), ("contiguous_gemms", contiguous), ("contiguous_sdpa", sdpa)):
+        for name, fn in forms:
             fn()
             out[name] = median([timed(fn)[0] for _ in range(5)]) * 1e3
         read()

@@ -44,7 +44,8 @@ def test_native_decode_rows_match_the_dense_reference(hkv, group, d, page_size):
     q, kc, vc, meta, kf, vf = paged_case(
         [1] * len(lens), lens, page_size=page_size, hkv=hkv, group=group, d=d, head_major=True
     )
-    assert native_decode.supports(q, kc, vc), "the native kernel should build and take this case"
+    assert native_decode.library() is not None, "the native kernel did not build: it needs a C compiler (cc, gcc)"
+    assert native_decode.supports(q, kc, vc)
     assert_matches_dense(q, kc, vc, meta, kf, vf, scale=d**-0.5)
 
 
@@ -123,3 +124,11 @@ def test_cpu_pool_is_zeroed_and_advised_huge_pages():
                 break
     assert flags is not None, "the pool's mapping was not found in /proc/self/smaps"
     assert "hg" in flags, f"the pool's mapping is not advised huge pages: {flags}"
+
+
+def test_tables_pointing_out_of_the_pool_are_refused():
+    """Native code reads where the block tables point: out-of-range ids raise instead."""
+    q, kc, vc, meta, *_ = paged_case([1, 1], [5, 20], hkv=2, group=2, head_major=True)
+    meta.block_tables[1, 0] = kc.shape[0]  # one past the pool's last page
+    with pytest.raises(RuntimeError, match="out of range"):
+        native_decode.attend_decode_rows(q, kc, vc, meta, 0.125, torch.empty_like(q))

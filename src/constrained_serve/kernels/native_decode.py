@@ -145,6 +145,22 @@ def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return meta.plan_cache[key]
 
 
+def _check_tables(meta: AttentionMetadata, tables: torch.Tensor, num_pages: int, page_size: int) -> None:
+    """Native code reads where the tables point, unchecked: a page id out of the pool, or a
+    sequence longer than its table, must be an error here, not a read of foreign memory.
+    Once per step (a few microseconds)."""
+    key = ("native decode tables checked", num_pages, page_size)
+    if key in meta.plan_cache:
+        return
+    longest = max(meta.seq_lens_host[b] for b, n in enumerate(meta.query_lens_host) if n == 1)
+    if longest > tables.shape[1] * page_size or (tables.numel() and int(tables.max()) >= num_pages):
+        raise RuntimeError(
+            f"block tables out of range for the native decode attention: {tables.shape[1]} pages of "
+            f"{page_size} for {longest} keys, page ids up to {int(tables.max())} in a pool of {num_pages}"
+        )
+    meta.plan_cache[key] = True
+
+
 def attend_decode_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -159,6 +175,7 @@ def attend_decode_rows(
         return
     row_seq, row_tok, tables, lens = rows
     num_pages, page_size, hkv, d = k_cache.shape
+    _check_tables(meta, tables, num_pages, page_size)
     k, v, lib = heads_view(k_cache), heads_view(v_cache), library()
     assert k is not None and v is not None and lib is not None and out.stride(-1) == 1 and out.stride(1) == d
     rc = lib.paged_decode_f32(
