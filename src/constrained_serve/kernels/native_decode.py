@@ -58,11 +58,22 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def _cpu_identity() -> str:
+    """The CPU's model and instruction-set flags: with -march=native, a library built on one
+    CPU may not run on another (a home folder shared between machines), so they key the cache."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))[:8192]
+    except OSError:
+        return ""
+
+
 def _build(cc: str) -> Path:
-    """The shared object for this source, compiler and flags: built once per machine (the file
-    name is their hash), written to a temporary name first so concurrent builds cannot clash."""
+    """The shared object for this source, compiler, flags and CPU: built once (the file name
+    is their hash), written to a temporary name first so concurrent builds cannot clash."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS, version]).encode()).hexdigest()[:16]
+    stamp = " ".join([cc, *CFLAGS, version, _cpu_identity()])
+    key = hashlib.sha256(SOURCE.read_bytes() + stamp.encode()).hexdigest()[:16]
     out = _cache_dir() / f"paged_decode_{key}.so"
     if out.exists():
         return out
