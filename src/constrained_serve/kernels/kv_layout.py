@@ -31,13 +31,13 @@ def allocate_pool(
     head_major: bool,
 ) -> torch.Tensor:
     """One layer's zeroed K (or V) pool, shaped [P, ps, Hkv, D] in either storage order."""
-    if head_major:
-        pool = torch.empty((num_kv_heads, num_pages, page_size, head_dim), dtype=dtype, device=device)
-        _advise_huge_pages(pool)
-        return pool.zero_().permute(1, 2, 0, 3)
-    pool = torch.empty((num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-    _advise_huge_pages(pool)
-    return pool.zero_()
+    shape = (
+        (num_kv_heads, num_pages, page_size, head_dim) if head_major else (num_pages, page_size, num_kv_heads, head_dim)
+    )
+    pool = torch.empty(shape, dtype=dtype, device=device)
+    _advise_huge_pages(pool)  # before the first touch (zero_)
+    pool.zero_()
+    return pool.permute(1, 2, 0, 3) if head_major else pool
 
 
 _HUGE_PAGE = 2 << 20

@@ -137,39 +137,36 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     )
 
 
-def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _rows(
+    meta: AttentionMetadata, num_pages: int, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The step's decode rows (sequences with one query token), built once per step: their
-    sequence and token indices, and int32 block tables and lengths as the kernel reads them."""
-    key = ("native decode rows",)
+    sequence and token indices, and int32 block tables and lengths as the kernel reads them.
+    Native code reads where the tables point, unchecked, so they are checked here: a page id
+    out of the pool, or a sequence longer than its table, raises instead of reading foreign
+    memory."""
+    key = ("native decode rows", num_pages, page_size)
     if key not in meta.plan_cache:
         starts = meta.query_starts_host
         seqs = [b for b, n in enumerate(meta.query_lens_host) if n == 1]
-        if not seqs:
-            meta.plan_cache[key] = None
-        else:
-            meta.plan_cache[key] = (
+        plan = None
+        if seqs:
+            tables = meta.block_tables.to(torch.int32).contiguous()
+            longest = max(meta.seq_lens_host[b] for b in seqs)
+            top = int(tables.max()) if tables.numel() else -1
+            if longest > tables.shape[1] * page_size or top >= num_pages:
+                raise RuntimeError(
+                    f"block tables out of range for the native decode attention: {tables.shape[1]} pages of "
+                    f"{page_size} for {longest} keys, page ids up to {top} in a pool of {num_pages}"
+                )
+            plan = (
                 torch.tensor(seqs, dtype=torch.int64),
                 torch.tensor([starts[b] for b in seqs], dtype=torch.int64),
-                meta.block_tables.to(torch.int32).contiguous(),
+                tables,
                 meta.seq_lens.to(torch.int32).contiguous(),
             )
+        meta.plan_cache[key] = plan
     return meta.plan_cache[key]
-
-
-def _check_tables(meta: AttentionMetadata, tables: torch.Tensor, num_pages: int, page_size: int) -> None:
-    """Native code reads where the tables point, unchecked: a page id out of the pool, or a
-    sequence longer than its table, must be an error here, not a read of foreign memory.
-    Once per step (a few microseconds)."""
-    key = ("native decode tables checked", num_pages, page_size)
-    if key in meta.plan_cache:
-        return
-    longest = max(meta.seq_lens_host[b] for b, n in enumerate(meta.query_lens_host) if n == 1)
-    if longest > tables.shape[1] * page_size or (tables.numel() and int(tables.max()) >= num_pages):
-        raise RuntimeError(
-            f"block tables out of range for the native decode attention: {tables.shape[1]} pages of "
-            f"{page_size} for {longest} keys, page ids up to {int(tables.max())} in a pool of {num_pages}"
-        )
-    meta.plan_cache[key] = True
 
 
 def attend_decode_rows(
@@ -181,12 +178,11 @@ def attend_decode_rows(
     out: torch.Tensor,
 ) -> None:
     """Write the decode rows' attention into ``out`` ([tokens, Hq, D]); ``supports`` first."""
-    rows = _rows(meta)
+    num_pages, page_size, hkv, d = k_cache.shape
+    rows = _rows(meta, num_pages, page_size)
     if rows is None:
         return
     row_seq, row_tok, tables, lens = rows
-    num_pages, page_size, hkv, d = k_cache.shape
-    _check_tables(meta, tables, num_pages, page_size)
     k, v, lib = heads_view(k_cache), heads_view(v_cache), library()
     assert k is not None and v is not None and lib is not None and out.stride(-1) == 1 and out.stride(1) == d
     rc = lib.paged_decode_f32(
@@ -211,4 +207,6 @@ def attend_decode_rows(
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise RuntimeError(f"native decode attention refused its sizes (group, head_dim {d}, page size {page_size})")
+        raise RuntimeError(
+            f"native decode attention refused its sizes: group {q.shape[1] // hkv}, head_dim {d}, page size {page_size}"
+        )
