@@ -33,13 +33,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.kernel.helpers: the batch builder
 from common import chat_workload, engine_parser, median, per_round, save, timed  # noqa: E402
 
 import constrained_serve.kernels.dispatch as dispatch  # noqa: E402
 from constrained_serve import Engine, SamplingParams  # noqa: E402
-from constrained_serve.batch import AttentionMetadata  # noqa: E402
 from constrained_serve.kernels import native_decode  # noqa: E402
-from constrained_serve.kernels.kv_layout import allocate_pool  # noqa: E402
+from constrained_serve.kernels.kv_layout import allocate_pool, gather_heads  # noqa: E402
+from tests.kernel.helpers import make_batch  # noqa: E402
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
@@ -54,24 +55,29 @@ def torch_forms(layers=30, rows=64, pages=16, page=16, hkv=3, group=3, d=64, poo
     """ms per decode step of each form of the attention (see the docstring), medians of 5."""
     g = torch.Generator().manual_seed(0)
     n_keys, b = pages * page, hkv * rows
-    k_pool = [torch.randn(pool_pages * hkv, page * d, generator=g) for _ in range(layers)]
-    v_pool = [torch.randn(pool_pages * hkv, page * d, generator=g) for _ in range(layers)]
-    table = torch.randperm(pool_pages, generator=g)[: rows * pages].view(rows, pages)
-    index = (table[None] * hkv + torch.arange(hkv)[:, None, None]).reshape(-1)  # head-major, as kv_layout
+    # The engine's pools (head-major, on huge pages) and a step's metadata: random distinct pages.
+    pools = [
+        [allocate_pool(pool_pages, page, hkv, d, torch.float32, torch.device("cpu"), head_major=True) for _ in range(2)]
+        for _ in range(layers)
+    ]
+    for kc, vc in pools:
+        kc.normal_(generator=g), vc.normal_(generator=g)
+    meta = make_batch([1] * rows, [n_keys] * rows, page, pool_pages, g, pad_pages=0)
+    row_pages = meta.block_tables.long().reshape(-1)
     k_rows = [torch.randn(b, n_keys, d, generator=g) for _ in range(layers)]
     v_rows = [torch.randn(b, n_keys, d, generator=g) for _ in range(layers)]
     q = torch.randn(b, group, d, generator=g)
     bias = torch.zeros(b, group, n_keys)
-    k_buf, v_buf = torch.empty(index.numel(), page * d), torch.empty(index.numel(), page * d)
+    buffers: dict = {}
 
     def gemms(k, v):
         return torch.bmm(torch.baddbmm(bias, q, k.transpose(1, 2), alpha=d**-0.5).softmax(-1), v)
 
-    def gathered():
-        for k, v in zip(k_pool, v_pool):
+    def gathered():  # the torch path's gather (kv_layout.gather_heads), then its two GEMMs
+        for kc, vc in pools:
             gemms(
-                torch.index_select(k, 0, index, out=k_buf).view(b, n_keys, d),
-                torch.index_select(v, 0, index, out=v_buf).view(b, n_keys, d),
+                gather_heads(kc, row_pages, buffers, "k").view(b, n_keys, d),
+                gather_heads(vc, row_pages, buffers, "v").view(b, n_keys, d),
             )
 
     def contiguous():
@@ -88,24 +94,6 @@ def torch_forms(layers=30, rows=64, pages=16, page=16, hkv=3, group=3, d=64, poo
         for k, v in zip(k_rows, v_rows):
             k.sum(), v.sum()
 
-    # The native kernel over the same pages, through the engine's pool layout and metadata.
-    pools = [
-        [allocate_pool(pool_pages, page, hkv, d, torch.float32, torch.device("cpu"), head_major=True) for _ in range(2)]
-        for _ in range(layers)
-    ]
-    for kc, vc in pools:
-        kc.normal_(generator=g), vc.normal_(generator=g)
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
-        seq_lens=torch.full((rows,), n_keys, dtype=torch.int32),
-        block_tables=table.to(torch.int32),
-        slot_mapping=torch.zeros(rows, dtype=torch.int64),
-        num_decodes=rows,
-        max_query_len=1,
-        max_seq_len=n_keys,
-        query_lens_host=[1] * rows,
-        seq_lens_host=[n_keys] * rows,
-    )
     q_tokens, out_tokens = torch.randn(rows, hkv * group, d, generator=g), torch.empty(rows, hkv * group, d)
 
     def native():
