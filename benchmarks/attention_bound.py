@@ -1,6 +1,6 @@
 """How much of a CPU decode round the attention takes, and what a one-pass kernel could gain.
 
-The workload of `vs_vllm_cpu.py` (64 chats, 96 tokens each, greedy, fp32, 2 threads, warm
+The workload of `vs_vllm_cpu.py` (64 chats, 96 tokens each, greedy, fp32 or --dtype bfloat16, 2 threads, warm
 prefix cache), with `ignore_eos` so that every round does the same work. Rounds alternate:
 
 - "real": the engine as users get it;
@@ -14,7 +14,7 @@ its row's whole context, K and V, every layer), over this machine's streaming re
 reads the pages in place at full bandwidth would give; torch has none on CPU (see RESULTS.md).
 
 With --forms, also one decode step's attention in isolation (30 layers, 64 rows x 256 keys,
-3 KV heads of 64, GQA 3, fp32, pages scattered in a pool as the engine's): the torch path's
+3 KV heads of 64, GQA 3, in --dtype, pages scattered in a pool as the engine's): the torch path's
 form (page gather, then two batched GEMMs), the same GEMMs over per-row contiguous K/V (no
 gather: the best any layout gives torch's GEMMs), SDPA over those, the native kernel reading
 the pages in place (native_decode.py), and a plain read of the same bytes.
@@ -23,6 +23,7 @@ Since the native kernel, "real" is the engine with it; CONSTRAINED_SERVE_NATIVE_
 measures the torch path.
 
     python benchmarks/attention_bound.py [--repeats 3] [--n 64] [--max-tokens 96] [--forms]
+                                         [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -51,23 +52,25 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     return repeats * x.numel() * 4 / t / 1e9
 
 
-def torch_forms(layers=30, rows=64, pages=16, page=16, hkv=3, group=3, d=64, pool_pages=2049) -> dict[str, float]:
+def torch_forms(
+    dtype=torch.float32, layers=30, rows=64, pages=16, page=16, hkv=3, group=3, d=64, pool_pages=2049
+) -> dict[str, float]:
     """ms per decode step of each form of the attention (see the docstring), medians of 5."""
     g = torch.Generator().manual_seed(0)
     n_keys, b = pages * page, hkv * rows
     # The engine's pools (head-major, on huge pages) and a step's metadata: random distinct pages.
     pools = [
-        [allocate_pool(pool_pages, page, hkv, d, torch.float32, torch.device("cpu"), head_major=True) for _ in range(2)]
+        [allocate_pool(pool_pages, page, hkv, d, dtype, torch.device("cpu"), head_major=True) for _ in range(2)]
         for _ in range(layers)
     ]
     for kc, vc in pools:
         kc.normal_(generator=g), vc.normal_(generator=g)
     meta = make_batch([1] * rows, [n_keys] * rows, page, pool_pages, g, pad_pages=0)
     row_pages = meta.block_tables.long().reshape(-1)
-    k_rows = [torch.randn(b, n_keys, d, generator=g) for _ in range(layers)]
-    v_rows = [torch.randn(b, n_keys, d, generator=g) for _ in range(layers)]
-    q = torch.randn(b, group, d, generator=g)
-    bias = torch.zeros(b, group, n_keys)
+    k_rows = [torch.randn(b, n_keys, d, generator=g).to(dtype) for _ in range(layers)]
+    v_rows = [torch.randn(b, n_keys, d, generator=g).to(dtype) for _ in range(layers)]
+    q = torch.randn(b, group, d, generator=g).to(dtype)
+    bias = torch.zeros(b, group, n_keys, dtype=dtype)
     buffers: dict = {}
 
     def gemms(k, v):
@@ -94,11 +97,12 @@ def torch_forms(layers=30, rows=64, pages=16, page=16, hkv=3, group=3, d=64, poo
         for k, v in zip(k_rows, v_rows):
             k.sum(), v.sum()
 
-    q_tokens, out_tokens = torch.randn(rows, hkv * group, d, generator=g), torch.empty(rows, hkv * group, d)
+    q_tokens = torch.randn(rows, hkv * group, d, generator=g).to(dtype)
+    out_tokens = torch.empty_like(q_tokens)
 
     def native():
         for kc, vc in pools:
-            native_decode.attend_decode_rows(q_tokens, kc, vc, meta, d**-0.5, out_tokens)
+            native_decode.attend_rows(q_tokens, kc, vc, meta, d**-0.5, out_tokens)
 
     forms = [("gather_then_gemms", gathered), ("contiguous_gemms", contiguous), ("contiguous_sdpa", sdpa)]
     if native_decode.supports(q_tokens, *pools[0]):
@@ -110,20 +114,21 @@ def torch_forms(layers=30, rows=64, pages=16, page=16, hkv=3, group=3, d=64, poo
             out[name] = median([timed(fn)[0] for _ in range(5)]) * 1e3
         read()
         out["read_only"] = median([timed(read)[0] for _ in range(5)]) * 1e3
-    gb = layers * 2 * b * n_keys * d * 4 / 1e9
+    gb = layers * 2 * b * n_keys * d * dtype.itemsize / 1e9
     for name, ms in out.items():
         print(f"  {name:<18} {ms:6.1f} ms a step ({gb / ms * 1e3:5.1f} GB/s of KV)")
     return out
 
 
 def main() -> None:
-    ap = engine_parser(__doc__, repeats=3, n=64, max_tokens=96)
+    ap = engine_parser(__doc__, repeats=3, n=64, max_tokens=96, dtype=True)
     ap.add_argument("--forms", action="store_true", help="also time the attention's forms in isolation")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    forms = torch_forms() if args.forms else None
+    dtype = getattr(torch, args.dtype)
+    forms = torch_forms(dtype) if args.forms else None
     convs = chat_workload(args.n)
-    engine = Engine(model=args.model, num_threads=args.threads, max_num_seqs=max(64, args.n))
+    engine = Engine(model=args.model, num_threads=args.threads, max_num_seqs=max(64, args.n), dtype=dtype)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     real = dispatch.paged_attention
 
@@ -183,7 +188,7 @@ def main() -> None:
         f"{bound_s:.2f} s a round, {tokens / bound_s:.0f} tokens/s ({t_real / bound_s:.2f}x today's "
         f"{tokens / t_real:.0f})"
     )
-    print("saved", save("attention_bound", result))
+    print("saved", save("attention_bound" + ("" if args.dtype == "float32" else f"-{args.dtype}"), result))
 
 
 if __name__ == "__main__":

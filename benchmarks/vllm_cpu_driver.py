@@ -27,6 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder")
     ap.add_argument("--threads", type=int, default=2, help="OpenMP threads of vLLM's CPU worker")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: cores 0..threads-1)")
     ap.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's (256 on CPU)")
@@ -66,7 +67,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         enable_prefix_caching=True,
         seed=0,
         enforce_eager=args.enforce_eager,

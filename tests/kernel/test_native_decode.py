@@ -1,6 +1,7 @@
-"""The native CPU decode attention (kernels/paged_decode_cpu.c via native_decode.py): the same
-results as the float64 reference and as the torch path, its fallbacks, and the huge-page
-advice on the CPU pool it reads."""
+"""The native CPU attention of short rows (kernels/paged_decode_cpu.c via native_decode.py):
+decode rows and the tokens of short chunks, in fp32 and bf16. The same results as the float64
+reference and as the torch path, its fallbacks, and the huge-page advice on the CPU pool it
+reads."""
 
 from __future__ import annotations
 
@@ -39,26 +40,52 @@ def _lengths(n: int, seed: int) -> list[int]:
         (1, 16, 256, 128),  # every limit at once
     ],
 )
-def test_native_decode_rows_match_the_dense_reference(hkv, group, d, page_size):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_rows_match_the_dense_reference(hkv, group, d, page_size, dtype):
     lens = _lengths(12, seed=hkv * 100 + group)
     q, kc, vc, meta, kf, vf = paged_case(
-        [1] * len(lens), lens, page_size=page_size, hkv=hkv, group=group, d=d, head_major=True
+        [1] * len(lens), lens, page_size=page_size, hkv=hkv, group=group, d=d, head_major=True, dtype=dtype
     )
     assert native_decode.library() is not None, "the native kernel did not build: it needs a C compiler (cc, gcc)"
     assert native_decode.supports(q, kc, vc)
     assert_matches_dense(q, kc, vc, meta, kf, vf, scale=d**-0.5)
 
 
-def test_native_and_torch_paths_agree_on_a_mixed_batch(monkeypatch):
-    """Decodes (native) beside short chunks and a long chunk (torch path, unchanged), and
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_chunk_tokens_see_the_keys_up_to_their_own_position(dtype):
+    """Chunks of 2..SHORT_CHUNK tokens (forced tokens after a decode), ending anywhere in a
+    page or on its edge: each token is its own row, causally cut."""
+    qlens = [2, 3, 16, 5, 7, 16, 2]
+    lens = [2, 17, 16, 40, 33, 100, 64]
+    q, kc, vc, meta, kf, vf = paged_case(qlens, lens, hkv=2, group=4, d=128, head_major=True, dtype=dtype)
+    assert native_decode.supports(q, kc, vc)
+    assert_matches_dense(q, kc, vc, meta, kf, vf, scale=128**-0.5)
+
+
+def test_bf16_rows_are_the_fp32_rows_rounded_to_nearest_even():
+    """The bf16 instance widens on load and sums in fp32 like the fp32 one, so on the same
+    (bf16-representable) values its output is the fp32 output rounded as torch rounds."""
+    qlens, lens = [1, 1, 1, 4, 1], [7, 16, 90, 40, 33]
+    q, kc, vc, meta, *_ = paged_case(qlens, lens, hkv=3, group=3, head_major=True, dtype=torch.bfloat16)
+    out16, out32 = torch.empty_like(q), torch.empty(q.shape)
+    native_decode.attend_rows(q, kc, vc, meta, 0.125, out16)
+    native_decode.attend_rows(q.float(), kc.float(), vc.float(), meta, 0.125, out32)
+    assert torch.equal(out16, out32.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_and_torch_paths_agree_on_a_mixed_batch(monkeypatch, dtype):
+    """Decodes and short chunks (native) beside a long chunk (torch path, unchanged), and
     1-token chunks after a chunk (decode rows that are not at the front of the batch)."""
     decodes = _lengths(9, seed=7)
-    qlens = [1] * 9 + [3, 1, 5, 1, 40]
-    lens = decodes + [20, 33, 16, 70, 90]
-    q, kc, vc, meta, kf, vf = paged_case(qlens, lens, hkv=3, group=3, head_major=True)
+    qlens = [1] * 9 + [3, 1, 5, 1, 40, 16, 17]
+    lens = decodes + [20, 33, 16, 70, 90, 50, 60]
+    q, kc, vc, meta, kf, vf = paged_case(qlens, lens, hkv=3, group=3, head_major=True, dtype=dtype)
     assert native_decode.supports(q, kc, vc)
     native = attention.paged_attention_torch(q, kc, vc, meta, 0.125)
-    torch.testing.assert_close(native, _torch_path(q, kc, vc, meta, 0.125, monkeypatch), atol=1e-5, rtol=1e-5)
+    # Both paths sum in fp32; bf16 outputs may differ by one rounding step (2^-8 relative).
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(native, _torch_path(q, kc, vc, meta, 0.125, monkeypatch), atol=tol, rtol=tol)
     assert_matches_dense(q, kc, vc, meta, kf, vf)
 
 
@@ -71,8 +98,10 @@ def test_native_decode_reads_shared_prefix_pages():
 
 
 def test_torch_path_where_the_kernel_does_not_apply():
-    q, kc, vc, *_ = paged_case([1, 1], [5, 20], hkv=2, group=2, head_major=True, dtype=torch.bfloat16)
-    assert not native_decode.supports(q, kc, vc)  # fp32 only
+    q, kc, vc, *_ = paged_case([1, 1], [5, 20], hkv=2, group=2, head_major=True, dtype=torch.float16)
+    assert not native_decode.supports(q, kc, vc)  # fp32 and bf16 only
+    q, kc, vc, *_ = paged_case([1, 1], [5, 20], hkv=2, group=2, head_major=True)
+    assert not native_decode.supports(q.bfloat16(), kc, vc)  # q and the pool in different dtypes
     q, kc, vc, *_ = paged_case([1, 1], [5, 20], hkv=2, group=2, head_major=False)
     assert not native_decode.supports(q, kc, vc)  # a contiguous (GPU-layout) pool
     q, kc, vc, *_ = paged_case([1], [5], hkv=1, group=17, d=16, head_major=True)
@@ -134,4 +163,4 @@ def test_tables_pointing_out_of_the_pool_are_refused():
     q, kc, vc, meta, *_ = paged_case([1, 1], [5, 20], hkv=2, group=2, head_major=True)
     meta.block_tables[1, 0] = kc.shape[0]  # one past the pool's last page
     with pytest.raises(RuntimeError, match="out of range"):
-        native_decode.attend_decode_rows(q, kc, vc, meta, 0.125, torch.empty_like(q))
+        native_decode.attend_rows(q, kc, vc, meta, 0.125, torch.empty_like(q))

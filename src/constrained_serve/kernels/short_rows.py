@@ -1,4 +1,5 @@
-"""Batched attention of the short rows of a step (torch path, used on CPU).
+"""Batched attention of the short rows of a step (torch path: on CPU where the native kernel,
+native_decode.py, is not available or does not apply, and the reference it is tested against).
 
 Decode rows and short chunks (grammar-forced tokens appended to a decoding request) are
 grouped by context length; each group is attended with two batched GEMMs (QK^T, PV) and one
@@ -72,13 +73,10 @@ class _ShortGroup:
     buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
 
 
-def short_groups(
-    meta: AttentionMetadata, page_size: int, group: int, device: torch.device, decodes: bool = True
-) -> list[_ShortGroup]:
+def short_groups(meta: AttentionMetadata, page_size: int, group: int, device: torch.device) -> list[_ShortGroup]:
     """Plan the batched calls once per step (cached on meta): the index tensors and masks only
-    depend on the batch layout, not on the layer. ``decodes=False``: the decode rows are left
-    out (the native kernel attends them, native_decode.py)."""
-    key = ("short", page_size, group, decodes)
+    depend on the batch layout, not on the layer."""
+    key = ("short", page_size, group)
     if key in meta.plan_cache:
         return meta.plan_cache[key]
     qsl = meta.query_starts_host
@@ -86,7 +84,7 @@ def short_groups(
     # Decode rows and short chunks go to separate calls: a decode row padded to a chunk's
     # query length would multiply its (tiny) attention work for nothing.
     classes = [
-        [b for b in range(meta.num_seqs) if qlens_all[b] == 1] if decodes else [],
+        [b for b in range(meta.num_seqs) if qlens_all[b] == 1],
         [b for b in range(meta.num_seqs) if 1 < qlens_all[b] <= SHORT_CHUNK],
     ]
     groups = []
