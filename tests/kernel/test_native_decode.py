@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from constrained_serve.kernels import attention, kv_layout, native_decode
+from constrained_serve.kernels import attention, kv_layout, native_decode, short_rows
 
-from .helpers import assert_matches_dense, paged_case
+from .helpers import assert_matches_dense, dense_causal_attention, paged_case
 
 
 def _torch_path(q, kc, vc, meta, scale, monkeypatch):
@@ -53,13 +53,33 @@ def test_native_decode_rows_match_the_dense_reference(hkv, group, d, page_size, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_chunk_tokens_see_the_keys_up_to_their_own_position(dtype):
-    """Chunks of 2..SHORT_CHUNK tokens (forced tokens after a decode), ending anywhere in a
-    page or on its edge: each token is its own row, causally cut."""
-    qlens = [2, 3, 16, 5, 7, 16, 2]
+    """Chunks of 2..MAX_CHUNK tokens (forced tokens after a decode), ending anywhere in a page
+    or on its edge: each token is its own row, causally cut. The kernel alone writes them."""
+    qlens = [2, 3, 4, 4, 3, 2, 4]
     lens = [2, 17, 16, 40, 33, 100, 64]
+    assert max(qlens) == native_decode.MAX_CHUNK
     q, kc, vc, meta, kf, vf = paged_case(qlens, lens, hkv=2, group=4, d=128, head_major=True, dtype=dtype)
     assert native_decode.supports(q, kc, vc)
-    assert_matches_dense(q, kc, vc, meta, kf, vf, scale=128**-0.5)
+    out = torch.full_like(q, float("nan"))
+    native_decode.attend_rows(q, kc, vc, meta, 128**-0.5, out)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), dense_causal_attention(q, kf, vf, meta, 128**-0.5), atol=tol, rtol=tol)
+
+
+def test_each_short_row_is_attended_once():
+    """The native kernel takes rows of up to MAX_CHUNK tokens, the torch path's short groups
+    the rest up to SHORT_CHUNK: no token is left out or attended twice."""
+    qlens = [1, 1, 2, 4, 5, 16, 1, 3]
+    q, kc, vc, meta, *_ = paged_case(qlens, [10, 30, 20, 40, 33, 60, 17, 50], hkv=2, group=2, head_major=True)
+    starts = meta.query_starts_host
+    native = native_decode._rows(meta, kc.shape[0], kc.shape[1])[1].tolist()
+    torch_path = [
+        t
+        for g in short_rows.short_groups(meta, 16, 2, q.device, native_decode.MAX_CHUNK + 1)
+        for t in g.out_index.tolist()
+    ]
+    assert sorted(native) == [starts[b] + j for b, n in enumerate(qlens) if n <= 4 for j in range(n)]
+    assert sorted(torch_path) == [starts[b] + j for b, n in enumerate(qlens) if 4 < n <= 16 for j in range(n)]
 
 
 def test_bf16_rows_are_the_fp32_rows_rounded_to_nearest_even():
@@ -75,8 +95,9 @@ def test_bf16_rows_are_the_fp32_rows_rounded_to_nearest_even():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_and_torch_paths_agree_on_a_mixed_batch(monkeypatch, dtype):
-    """Decodes and short chunks (native) beside a long chunk (torch path, unchanged), and
-    1-token chunks after a chunk (decode rows that are not at the front of the batch)."""
+    """Decodes and chunks of up to 4 tokens (native) beside longer short chunks and a long
+    chunk (torch path), and 1-token chunks after a chunk (decode rows that are not at the front
+    of the batch)."""
     decodes = _lengths(9, seed=7)
     qlens = [1] * 9 + [3, 1, 5, 1, 40, 16, 17]
     lens = decodes + [20, 33, 16, 70, 90, 50, 60]

@@ -45,13 +45,15 @@ def paged_attention_torch(
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     out = torch.empty_like(q)
-    # Decode rows and short chunks: read in place by the native kernel where it runs (fp32 or
-    # bf16, head-major pool), else gathered and attended in batched GEMMs.
+    # Decode rows and chunks of up to 4 tokens: read in place by the native kernel where it runs
+    # (fp32 or bf16, head-major pool). The other short chunks (and every short row where it does
+    # not run) are gathered and attended in batched GEMMs.
+    min_len = 1
     if native_decode.supports(q, k_cache, v_cache):
         native_decode.attend_rows(q, k_cache, v_cache, meta, scale, out)
-    else:
-        for g in short_groups(meta, page_size, group, q.device):
-            attend_short(q, k_cache, v_cache, g, scale, out)
+        min_len = native_decode.MAX_CHUNK + 1
+    for g in short_groups(meta, page_size, group, q.device, min_len):
+        attend_short(q, k_cache, v_cache, g, scale, out)
     for c in long_chunks(meta, page_size, hkv, group, q.device, q.dtype):
         attend_long(q, k_cache, v_cache, c, scale, out)
     return out

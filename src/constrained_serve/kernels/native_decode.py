@@ -1,7 +1,6 @@
 """The CPU attention of a step's short rows through a small native kernel (paged_decode_cpu.c):
 the decode rows, and the tokens of short chunks (grammar-forced tokens appended to a decoding
-request, up to short_rows.SHORT_CHUNK of them), each token a row that sees the keys up to its
-own position.
+request, up to MAX_CHUNK of them), each token a row that sees the keys up to its own position.
 
 torch has no paged attention on CPU: its path (short_rows.py) gathers each row's pages, then
 runs batched GEMMs, and the decode rows' attention was 42% of a CPU decode round in fp32 (62%
@@ -33,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kv_layout import heads_view
-from .short_rows import SHORT_CHUNK
 
 if TYPE_CHECKING:
     from ..batch import AttentionMetadata
@@ -48,6 +46,12 @@ ENV_SWITCH = "CONSTRAINED_SERVE_NATIVE_ATTENTION"
 # vectorize the dot products' sums and expf (the results stay within 1e-5 of float64).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 MAX_GROUP, MAX_DIM, MAX_PAGE = 16, 256, 128
+# Chunks of up to this many tokens are attended here. Each token reads the chunk's pages again
+# (from cache), so longer chunks are faster through the torch path's one gather and GEMMs
+# (short_rows.py). Measured per call, 8 chunks, fp32, native against torch: 2 tokens 1.7-2.0x
+# faster, 4 tokens 1.1-1.9x, 6 tokens 0.9-1.2x, 8 tokens 0.76-1.1x, 16 tokens 0.5-0.85x
+# (SmolLM2-135M's heads over 300 and 1000 keys; Llama-3-8B's over 2000).
+MAX_CHUNK = 4
 # The kernel's instance for each dtype (q, the pool and the output share it).
 _KERNELS = {torch.float32: "paged_rows_f32", torch.bfloat16: "paged_rows_bf16"}
 
@@ -147,7 +151,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 def _rows(meta: AttentionMetadata, num_pages: int, page_size: int) -> tuple[torch.Tensor, ...] | None:
-    """The step's short rows, planned once per step: each token of a chunk of up to SHORT_CHUNK
+    """The step's short rows, planned once per step: each token of a chunk of up to MAX_CHUNK
     tokens is a row, with its sequence, its token and the keys it sees (its position + 1), and
     the int32 block tables the kernel reads. Native code reads where the tables point,
     unchecked, so they are checked here: a page id out of the pool, or a sequence longer than
@@ -155,7 +159,7 @@ def _rows(meta: AttentionMetadata, num_pages: int, page_size: int) -> tuple[torc
     key = ("native rows", num_pages, page_size)
     if key not in meta.plan_cache:
         starts, qlens, lens = meta.query_starts_host, meta.query_lens_host, meta.seq_lens_host
-        seqs = [b for b, n in enumerate(qlens) if n <= SHORT_CHUNK]
+        seqs = [b for b, n in enumerate(qlens) if n <= MAX_CHUNK]
         plan = None
         if seqs:
             tables = meta.block_tables.to(torch.int32).contiguous()

@@ -73,10 +73,13 @@ class _ShortGroup:
     buffers: dict = field(default_factory=dict, repr=False)  # gather destinations (kv_layout.py)
 
 
-def short_groups(meta: AttentionMetadata, page_size: int, group: int, device: torch.device) -> list[_ShortGroup]:
+def short_groups(
+    meta: AttentionMetadata, page_size: int, group: int, device: torch.device, min_len: int = 1
+) -> list[_ShortGroup]:
     """Plan the batched calls once per step (cached on meta): the index tensors and masks only
-    depend on the batch layout, not on the layer."""
-    key = ("short", page_size, group)
+    depend on the batch layout, not on the layer. Rows of min_len to SHORT_CHUNK query tokens
+    (the shorter ones are the native kernel's, native_decode.py)."""
+    key = ("short", page_size, group, min_len)
     if key in meta.plan_cache:
         return meta.plan_cache[key]
     qsl = meta.query_starts_host
@@ -84,8 +87,8 @@ def short_groups(meta: AttentionMetadata, page_size: int, group: int, device: to
     # Decode rows and short chunks go to separate calls: a decode row padded to a chunk's
     # query length would multiply its (tiny) attention work for nothing.
     classes = [
-        [b for b in range(meta.num_seqs) if qlens_all[b] == 1],
-        [b for b in range(meta.num_seqs) if 1 < qlens_all[b] <= SHORT_CHUNK],
+        [b for b in range(meta.num_seqs) if qlens_all[b] == 1 >= min_len],
+        [b for b in range(meta.num_seqs) if max(2, min_len) <= qlens_all[b] <= SHORT_CHUNK],
     ]
     groups = []
     for rows_of_class in classes:
