@@ -160,22 +160,38 @@ def test_the_build_is_cached_per_source_and_flags(tmp_path, monkeypatch):
     assert native_decode._build(cc) not in (first, second)  # -march=native: one build per CPU
 
 
-def test_cpu_pool_is_zeroed_and_advised_huge_pages():
-    pool = kv_layout.allocate_pool(1024, 16, 3, 64, torch.float32, torch.device("cpu"), head_major=True)
-    assert pool.abs().sum() == 0
+def _pool_mapping(pool: torch.Tensor) -> dict:
+    """The /proc/self/smaps entry of the mapping that holds the pool: its Rss (kB) and VmFlags."""
     base = kv_layout.heads_view(pool).data_ptr()
     inside = -(-base // (2 << 20)) * (2 << 20)  # the first 2 MiB boundary in the pool
-    flags, current = None, False
+    entry, current = {}, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 current = lo <= inside < hi
+            elif current and line.startswith("Rss:"):
+                entry["rss_kb"] = int(line.split()[1])
             elif current and line.startswith("VmFlags:"):
-                flags = line.split()[1:]
+                entry["flags"] = line.split()[1:]
                 break
-    assert flags is not None, "the pool's mapping was not found in /proc/self/smaps"
+    assert "flags" in entry, "the pool's mapping was not found in /proc/self/smaps"
+    return entry
+
+
+def test_cpu_pool_is_zeroed_lazily_and_advised_huge_pages():
+    """An anonymous private map: nothing resident until written (an engine starts without
+    touching its pool), zeros when read, and advised 2 MiB pages."""
+    pool = kv_layout.allocate_pool(1024, 16, 3, 64, torch.float32, torch.device("cpu"), head_major=True)
+    size_kb = kv_layout.heads_view(pool).nbytes // 1024
+    untouched = _pool_mapping(pool)
+    assert untouched["rss_kb"] < size_kb // 10, f"{untouched['rss_kb']} of {size_kb} kB resident before any write"
+    assert pool.abs().sum() == 0
+    pool.fill_(1.0)
+    written = _pool_mapping(pool)
+    assert written["rss_kb"] >= size_kb * 9 // 10
+    flags = written["flags"]
     assert "hg" in flags, f"the pool's mapping is not advised huge pages: {flags}"
 
 
