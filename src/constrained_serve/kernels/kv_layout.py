@@ -57,12 +57,13 @@ _MADV_HUGEPAGE = 14
 
 
 def _advise_huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux for 2 MiB pages behind a CPU pool, before it is first touched. Attention
-    reads pages scattered over the whole pool (every 4 KiB KV page a different 4 KiB memory
-    page otherwise), and the address translations add to every read: the native CPU decode
-    attention took 44-46 instead of 50 ms a step with them (benchmarks/attention_bound.py
-    --forms). Where the kernel's transparent huge pages are off ("never") this changes nothing."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") or t.nbytes < 2 * _HUGE_PAGE:
+    """Ask Linux for 2 MiB pages behind a CPU pool's memory map (allocate_pool, Linux only),
+    before it is first touched. Attention reads pages scattered over the whole pool (every
+    4 KiB KV page a different 4 KiB memory page otherwise), and the address translations add
+    to every read: the native CPU decode attention took 44-46 instead of 50 ms a step with
+    them (benchmarks/attention_bound.py --forms). Where the kernel's transparent huge pages
+    are off ("never") this changes nothing."""
+    if t.nbytes < 2 * _HUGE_PAGE:
         return
     start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
     end = (t.data_ptr() + t.nbytes) // _HUGE_PAGE * _HUGE_PAGE

@@ -87,8 +87,8 @@ def short_groups(
     # Decode rows and short chunks go to separate calls: a decode row padded to a chunk's
     # query length would multiply its (tiny) attention work for nothing.
     classes = [
-        [b for b in range(meta.num_seqs) if qlens_all[b] == 1 >= min_len],
-        [b for b in range(meta.num_seqs) if max(2, min_len) <= qlens_all[b] <= SHORT_CHUNK],
+        [b for b in range(meta.num_seqs) if max(lo, min_len) <= qlens_all[b] <= hi]
+        for lo, hi in ((1, 1), (2, SHORT_CHUNK))
     ]
     groups = []
     for rows_of_class in classes:
