@@ -155,13 +155,14 @@ def paged_case(
     return q, k_cache, v_cache, meta, k_full, v_full
 
 
-def assert_matches_dense(q, kc, vc, meta, kf, vf, scale=0.125):
-    """The torch path against the float64 loop reference, at the tolerance of q's dtype."""
+def assert_matches_dense(q, kc, vc, meta, kf, vf, scale=0.125, out=None):
+    """The torch path (or ``out``, another kernel's result) against the float64 loop
+    reference, at the tolerance of q's dtype."""
     from constrained_serve.kernels import attention as A
 
     tol = 1e-5 if q.dtype == torch.float32 else 3e-2
     torch.testing.assert_close(
-        A.paged_attention_torch(q, kc, vc, meta, scale).double(),
+        (A.paged_attention_torch(q, kc, vc, meta, scale) if out is None else out).double(),
         dense_causal_attention(q, kf, vf, meta, scale),
         atol=tol,
         rtol=tol,

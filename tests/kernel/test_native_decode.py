@@ -13,7 +13,7 @@ import torch
 
 from constrained_serve.kernels import attention, kv_layout, native_decode, short_rows
 
-from .helpers import assert_matches_dense, dense_causal_attention, paged_case
+from .helpers import assert_matches_dense, paged_case
 
 
 def _torch_path(q, kc, vc, meta, scale, monkeypatch):
@@ -62,8 +62,7 @@ def test_short_chunk_tokens_see_the_keys_up_to_their_own_position(dtype):
     assert native_decode.supports(q, kc, vc)
     out = torch.full_like(q, float("nan"))
     native_decode.attend_rows(q, kc, vc, meta, 128**-0.5, out)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out.double(), dense_causal_attention(q, kf, vf, meta, 128**-0.5), atol=tol, rtol=tol)
+    assert_matches_dense(q, kc, vc, meta, kf, vf, scale=128**-0.5, out=out)
 
 
 def test_each_short_row_is_attended_once():
