@@ -6,8 +6,7 @@ torch has no paged attention on CPU: its path (short_rows.py) gathers each row's
 runs batched GEMMs, and the decode rows' attention was 42% of a CPU decode round in fp32 (62%
 in bf16) at about a quarter of the machine's read bandwidth (benchmarks/attention_bound.py).
 The kernel reads the pages in place, once. It is compiled on first use with the system C
-compiler into a cache folder (a few seconds), and loaded with ctypes; no Python extension, no
-torch headers.
+compiler (native_build.py).
 
 Where it cannot run, the torch path does, with the same results up to float rounding: no C
 compiler (logged once), ``CONSTRAINED_SERVE_NATIVE_ATTENTION=0``, a dtype other than fp32 and
@@ -18,20 +17,14 @@ kernel's limits (GQA group 16, head_dim 256, page size 128).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from .kv_layout import heads_view
+from .native_build import NativeLibrary
 
 if TYPE_CHECKING:
     from ..batch import AttentionMetadata
@@ -55,80 +48,23 @@ MAX_CHUNK = 4
 # The kernel's instance for each dtype (q, the pool and the output share it).
 _KERNELS = {torch.float32: "paged_rows_f32", torch.bfloat16: "paged_rows_bf16"}
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in _KERNELS.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]
+        fn.argtypes += [ctypes.c_float, ctypes.c_int]  # the scale, the threads
+        fn.restype = ctypes.c_int
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "constrained_serve" / "native"
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-def _cpu_identity() -> str:
-    """The CPU's model and instruction-set flags: with -march=native, a library built on one
-    CPU may not run on another (a home folder shared between machines), so they key the cache."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))[:8192]
-    except OSError:
-        return ""
-
-
-def _build(cc: str) -> Path:
-    """The shared object for this source, compiler, flags and CPU: built once (the file name
-    is their hash), written to a temporary name first so concurrent builds cannot clash."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    stamp = " ".join([cc, *CFLAGS, version, _cpu_identity()])
-    key = hashlib.sha256(SOURCE.read_bytes() + stamp.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_decode_{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        proc = subprocess.run(
-            [cc, *CFLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp_out, out)
-    return out
+LIBRARY = NativeLibrary(SOURCE, CFLAGS, ENV_SWITCH, "CPU decode attention", _declare)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, building it on first use; None where it is switched off or cannot
     be built (the reason is logged once)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        try:
-            if os.environ.get(ENV_SWITCH, "1") == "0":
-                logger.info("native CPU decode attention off (%s=0): torch path", ENV_SWITCH)
-            elif not sys.platform.startswith("linux"):
-                logger.info("native CPU decode attention is built on Linux only: torch path")
-            elif (cc := _compiler()) is None:
-                logger.warning("no C compiler (cc, gcc or clang): CPU decode attention takes the slower torch path")
-            else:
-                lib = ctypes.CDLL(str(_build(cc)))
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                for name in _KERNELS.values():
-                    fn = getattr(lib, name)
-                    fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]
-                    fn.argtypes += [ctypes.c_float, ctypes.c_int]  # the scale, the threads
-                    fn.restype = ctypes.c_int
-                _lib = lib
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            logger.warning("building the native CPU decode attention failed, the torch path runs instead: %s", e)
-        _tried = True
-        return _lib
+    return LIBRARY.get()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

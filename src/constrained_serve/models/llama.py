@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..batch import AttentionMetadata
-from ..kernels import dispatch
+from ..kernels import dispatch, native_fused
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -119,7 +119,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op instead of five (matters on CPU)
+        if x.dim() == 2 and native_fused.applies(x, self.weight):  # CPU: one pass (fused_cpu.c)
+            return native_fused.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # one fused op instead of five
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalize in fp32 like HF does, then cast back (bf16 on GPU).
         xf = x.float()
@@ -199,15 +201,20 @@ class Attention(nn.Module):
         """keep: project only these rows' attention outputs (the last layer, see DecoderLayer)."""
         a = self.arch
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, a.num_heads, a.head_dim)
-        k = k.view(T, a.num_kv_heads, a.head_dim)
-        v = v.view(T, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
-        dispatch.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not a.qk_norm and native_fused.rope_store_applies(qkv, k_cache, v_cache, a.head_dim):
+            # CPU: rotary and K/V store in one pass, q rotated in place (fused_cpu.c).
+            q = native_fused.rope_store(qkv, cos_sin, a.num_heads, a.num_kv_heads, k_cache, v_cache, meta.slot_mapping)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, a.num_heads, a.head_dim)
+            k = k.view(T, a.num_kv_heads, a.head_dim)
+            v = v.view(T, a.num_kv_heads, a.head_dim)
+            if a.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.apply(cos_sin, q, k)
+            dispatch.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(T, self.q_size)
         return self.o_proj(o if keep is None else o.index_select(0, keep))
 
@@ -221,7 +228,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and native_fused.applies(gate_up):  # CPU: one pass (fused_cpu.c)
+            return self.down_proj(native_fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
