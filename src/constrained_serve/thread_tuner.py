@@ -15,6 +15,10 @@ of a size become much slower than usual, it runs a few steps with half the threa
 twice, back up to the configured count) and keeps whichever count was faster on the same
 step sizes. A probe that starts out much slower ends after one step, and a probe that lost
 is tried again after twice as long, so on a steady machine the probes cost well under 1%.
+After a switch down, the way back up is probed soon (after ``recover_after`` steps, then
+twice as long after each loss): contention is often brief (a neighbour's start-up, a test
+run), and a tuner that waited its routine 1024 steps kept a 2-core engine on one thread,
+1.5x slower, for a whole benchmark after a busy warm-up.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class ThreadTuner:
 
     max_threads: int
     probe_every: int = 1024  # steps between routine probes (doubled after each that lost, to 8x)
+    recover_after: int = 128  # steps before probing back up after a switch down (doubled after each loss)
     first_probe: int = 16  # steps before the first probe: a machine busy from the start shows no slowdown
     probe_steps: int = 3  # measured steps in a probe (after one unmeasured warm-up step)
     slowdown: float = 2.0  # a step this much slower per token than usual for its size: probe now
@@ -109,10 +114,15 @@ class ThreadTuner:
             logger.info("CPU forward: %d threads instead of %d (%.2fx faster per token)", cand, self.threads, speedup)
             went_down, self.threads = cand < self.threads, cand
             self.switches += 1
-            # Soon one more step the same way (4 -> 2 may be followed by 2 -> 1); back later.
-            self._interval = {
-                c: self.first_probe if (c < cand) == went_down else self.probe_every for c in self._candidates()
-            }
+            self._interval = {c: self._first_interval(c, went_down) for c in self._candidates()}
         else:
             self.set_threads(self.threads)
-            self._interval[cand] = min(8 * self.probe_every, max(self.probe_every, 2 * self._interval[cand]))
+            # Lost: twice as long before the next probe this way (down: probe_every at least).
+            floor = self.recover_after if cand > self.threads else self.probe_every
+            self._interval[cand] = min(8 * self.probe_every, max(floor, 2 * self._interval[cand]))
+
+    def _first_interval(self, cand: int, went_down: bool) -> int:
+        """Steps before the first probe of ``cand`` after a switch to ``self.threads``."""
+        if (cand < self.threads) == went_down:
+            return self.first_probe  # on the same way: 4 -> 2 may be followed by 2 -> 1
+        return self.recover_after if cand > self.threads else self.probe_every
