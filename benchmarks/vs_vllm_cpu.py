@@ -67,6 +67,20 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
+def settle(pids: list[int], quiet_cpu_s: float = 0.05, window_s: float = 0.5, limit_s: float = 20.0) -> float:
+    """Wait until the processes (and their children) use less than ``quiet_cpu_s`` CPU seconds
+    over ``window_s``; returns the seconds waited (at most ``limit_s``). vLLM's processes can
+    keep a core busy for seconds after a round (0.2-1.1 CPU s measured during ours), and our
+    engine's thread tuner reads such contention as a reason to drop to one thread."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        before = sum(tree_cpu_s(p) for p in pids)
+        time.sleep(window_s)
+        if sum(tree_cpu_s(p) for p in pids) - before < quiet_cpu_s:
+            break
+    return time.perf_counter() - t0
+
+
 def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -198,17 +212,25 @@ def main() -> None:
         a["texts"] = a["texts"][:3]  # a sample in the result file
         return a
 
+    # Each round starts on a quiet machine (see settle): this process and its children, the
+    # vLLM driver and its engine processes among them, idle.
+    pids = [os.getpid()]
     # Warm-up: one untimed round each (first-call allocations; fills both prefix caches).
+    settle(pids)
     ours()
+    settle(pids)
     theirs()
     runs: dict[str, list[dict]] = {"ours": [], "vllm": []}
     idle = []  # CPU seconds vLLM's processes used while ours ran (it should sleep)
+    settled = []  # seconds waited for a quiet machine before each round
     for k in range(args.repeats):
+        settled.append(settle(pids))
         c0 = vllm.cpu_s()
         t, r = timed(ours)
         idle.append(vllm.cpu_s() - c0)
         r.update(wall_s=t, load=load())
         runs["ours"].append(r)
+        settled.append(settle(pids))
         r2 = theirs()
         r2["load"] = load()
         runs["vllm"].append(r2)
@@ -233,6 +255,7 @@ def main() -> None:
     result["ratio_wall"] = per_round(result["vllm"]["runs"], result["ours"]["runs"])
     result["vllm_config"] = vllm.info
     result["vllm_cpu_s_while_ours_ran"] = idle
+    result["settle_s_before_rounds"] = [round(x, 1) for x in settled]
     result["engine_config"] = {k: str(v) for k, v in vars(engine.config).items() if k not in ("model",)} | {
         "dtype": str(engine.dtype),
         "model_path": str(engine.model_path),
@@ -254,7 +277,8 @@ def main() -> None:
             f"(per round: {[round(t, 1) for t in m['runs']]})"
         )
     print(f"ratio ours / vLLM, output tokens/s: {result['ratio']:.2f}x (median of per-round ratios; target >= 1.3)")
-    print(f"vLLM's processes used {idle} CPU s while ours ran")
+    print(f"vLLM's processes used {[round(x, 2) for x in idle]} CPU s while ours ran")
+    print(f"waited {result['settle_s_before_rounds']} s for a quiet machine before the rounds")
     print("load after:", result["load_after"])
     print("machine:", machine())
     print("saved", save(f"vs_vllm_cpu-{stamp}", result))
