@@ -62,6 +62,32 @@ def test_silu_mul_matches_torch(rows, inter, dtype):
     _assert_close_to_torch(native_fused.silu_mul(gate_up), F.silu(gate) * up)
 
 
+def test_argmax_rows_is_torch_argmax(monkeypatch):
+    """The first maximum of each row, NaN counted as the maximum, at block edges and past
+    them, over rows apart in memory; and row_argmax (greedy sampling) takes it for fp32."""
+    import math
+
+    from constrained_serve.kernels import sampling
+
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(64, 49152 + 17, generator=g)
+    x = wide[:, :49152]  # rows 49169 elements apart
+    x[0, -1] = 9.0  # the last element
+    x[1, 63:65] = 9.0  # a tie across a block edge: the first wins
+    x[2] = -math.inf
+    x[3, [5, 700]] = math.nan
+    x[4, 0] = math.nan
+    x[5] = 1.0  # all equal
+    assert torch.equal(native_fused.argmax_rows(x), x.argmax(-1))
+    small = torch.randint(-3, 3, (9, 67), generator=g).float()  # ties everywhere, n past one block
+    assert torch.equal(native_fused.argmax_rows(small), small.argmax(-1))
+    assert native_fused.argmax_rows(torch.zeros(0, 5)).shape == (0,)
+    calls = []
+    real = native_fused.argmax_rows
+    monkeypatch.setattr(native_fused, "argmax_rows", lambda t: calls.append(1) or real(t))
+    assert torch.equal(sampling.row_argmax(x), x.argmax(-1)) and calls
+
+
 def _rope_case(tokens, hq, hkv, d, dtype, seed):
     """A step's qkv, its rotary tables (real ones, with llama3 scaling), and a head-major pool
     with its slots scattered, as the engine has them."""

@@ -1,5 +1,6 @@
 /* The Llama layer's elementwise work on CPU, one pass each, fp32 or bf16: RMSNorm; rotary
  * embedding of q and k with k and v written straight into their KV pool slots; SiLU(gate) * up.
+ * And greedy sampling's argmax over each row of fp32 logits.
  *
  * Why native code: in torch each is a chain of small ops (the rotary alone is about ten: two
  * slices, a negation, a cat and three multiplies or adds for q, the same for k, then two
@@ -143,6 +144,41 @@ static inline float bf16_round(float x) {
         }                                                                                                      \
         return 0;                                                                                              \
     }
+
+/* out[r] = the index of the first maximum of row r of x ([rows, n], stride elements a row), as
+ * torch.argmax: a NaN counts as the maximum (the first NaN wins). Greedy sampling's argmax
+ * over the vocabulary: torch's max(dim) takes 0.9-2.2 ms for 64 x 49152 on two threads, a
+ * vectorized pass for the maximum, then a search block by block, about 0.3 ms. */
+#define ARGMAX_BLOCK 64
+int argmax_rows_f32(const float *x, int64_t stride, int64_t rows, int64_t n, int64_t *out, int num_threads) {
+    if (n < 1) return -1;
+    _Pragma("omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * stride;
+        float best = xr[0];
+        int nan = 0;
+        _Pragma("omp simd reduction(max : best) reduction(| : nan)") for (int64_t i = 0; i < n; ++i) {
+            best = xr[i] > best ? xr[i] : best;
+            nan |= xr[i] != xr[i];
+        }
+        int64_t found = 0;
+        if (nan) { /* rare (a broken model): the first NaN, one by one */
+            while (xr[found] == xr[found]) ++found;
+        } else { /* the first block that holds the maximum, then the place in it */
+            for (int64_t start = 0; start < n; start += ARGMAX_BLOCK) {
+                const int64_t end = start + ARGMAX_BLOCK < n ? start + ARGMAX_BLOCK : n;
+                int hit = 0;
+                _Pragma("omp simd reduction(| : hit)") for (int64_t i = start; i < end; ++i) hit |= xr[i] == best;
+                if (!hit) continue;
+                for (found = start; xr[found] != best; ++found) {
+                }
+                break;
+            }
+        }
+        out[r] = found;
+    }
+    return 0;
+}
 
 DEFINE_RMS_NORM(rms_norm_f32, float, f32_load, f32_store, f32_round)
 DEFINE_RMS_NORM(rms_norm_bf16, bf16, bf16_load, bf16_store, bf16_round)

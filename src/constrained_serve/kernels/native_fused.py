@@ -40,6 +40,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         for suffix in _SUFFIX.values():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.argmax_rows_f32.argtypes, lib.argmax_rows_f32.restype = [ptr, i64, i64, i64, ptr, i32], ctypes.c_int
 
 
 LIBRARY = NativeLibrary(SOURCE, CFLAGS, ENV_SWITCH, "CPU elementwise ops", _declare)
@@ -132,4 +133,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
     _call("silu_mul", gate_up.dtype, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter)
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The index of the first maximum of each row of fp32 ``x`` ([rows, n], unit stride in n),
+    as ``torch.argmax(-1)`` (NaN counts as the maximum); int64."""
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        _call("argmax_rows", torch.float32, x.data_ptr(), x.stride(0), rows, n, out.data_ptr())
     return out
