@@ -1,5 +1,6 @@
 """The Llama layer's elementwise ops on CPU in one native pass each (fused_cpu.c): RMSNorm,
-the rotary embedding with the K/V store, and SiLU(gate) * up.
+the rotary embedding with the K/V store, and SiLU(gate) * up; and the argmax of greedy
+sampling (sampling.row_argmax), for fp32 logits.
 
 In torch each is a chain of small ops; at decode sizes their dispatch and allocations, not
 their arithmetic, cost 7-10 ms a step for SmolLM2-135M (see fused_cpu.c). The model
