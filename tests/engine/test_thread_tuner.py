@@ -81,16 +81,23 @@ def test_a_slowdown_mid_run_is_answered_at_once_and_recovery_follows_the_load():
     assert t.threads == 2 and m.current() == 2
 
 
+def sent_down(quiet_steps: int, busy_steps: int) -> tuple[Machine, ThreadTuner]:
+    """A 2-thread tuner, ``quiet_steps`` on a quiet machine, then ``busy_steps`` with a
+    neighbour holding a core: by then it runs on one thread (the machine stays busy)."""
+    m = Machine(quiet={2: 1.0, 1: 1.9}, busy={2: 25.0, 1: 2.0})
+    t = tuned(m, max_threads=2)
+    m.run(quiet_steps)
+    m.load = "busy"
+    m.run(busy_steps)
+    assert t.threads == 1
+    return m, t
+
+
 def test_after_a_brief_contention_the_threads_come_back_soon():
     """A neighbour busy for a moment (here at the start, as a peer's warm-up in a benchmark)
     sends the tuner down; once it is gone, the way back up is probed within recover_after
     steps, not the routine probe_every."""
-    m = Machine(quiet={2: 1.0, 1: 1.6}, busy={2: 25.0, 1: 2.0})
-    t = tuned(m, max_threads=2)
-    m.run(30)
-    m.load = "busy"
-    m.run(30)
-    assert t.threads == 1
+    m, t = sent_down(quiet_steps=30, busy_steps=30)
     m.load = "quiet"
     m.run(t.recover_after + 10)
     assert t.threads == 2 and m.current() == 2
@@ -100,12 +107,7 @@ def test_after_a_brief_contention_the_threads_come_back_soon():
 def test_probes_back_up_under_lasting_contention_back_off():
     """While the neighbour stays, each probe back up loses and the next waits twice as long:
     over 4000 busy steps a handful of probes, costing a few % of the one-thread time."""
-    m = Machine(quiet={2: 1.0, 1: 1.9}, busy={2: 25.0, 1: 2.0})
-    t = tuned(m, max_threads=2)
-    m.run(100)
-    m.load = "busy"
-    m.run(20)
-    assert t.threads == 1
+    m, t = sent_down(quiet_steps=100, busy_steps=20)
     before = m.threads_set.count(2)
     busy = m.run(4000)
     assert t.threads == 1
