@@ -67,16 +67,16 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-def settle(pids: list[int], quiet_cpu_s: float = 0.05, window_s: float = 0.5, limit_s: float = 20.0) -> float:
-    """Wait until the processes (and their children) use less than ``quiet_cpu_s`` CPU seconds
+def settle(pid: int, quiet_cpu_s: float = 0.05, window_s: float = 0.5, limit_s: float = 20.0) -> float:
+    """Wait until the process and its descendants use less than ``quiet_cpu_s`` CPU seconds
     over ``window_s``; returns the seconds waited (at most ``limit_s``). vLLM's processes can
     keep a core busy for seconds after a round (0.2-1.1 CPU s measured during ours), and our
     engine's thread tuner reads such contention as a reason to drop to one thread."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < limit_s:
-        before = sum(tree_cpu_s(p) for p in pids)
+        before = tree_cpu_s(pid)
         time.sleep(window_s)
-        if sum(tree_cpu_s(p) for p in pids) - before < quiet_cpu_s:
+        if tree_cpu_s(pid) - before < quiet_cpu_s:
             break
     return time.perf_counter() - t0
 
@@ -212,25 +212,25 @@ def main() -> None:
         a["texts"] = a["texts"][:3]  # a sample in the result file
         return a
 
-    # Each round starts on a quiet machine (see settle): this process and its children, the
+    # Each round starts on a quiet machine (see settle): this process and its descendants, the
     # vLLM driver and its engine processes among them, idle.
-    pids = [os.getpid()]
+    me = os.getpid()
     # Warm-up: one untimed round each (first-call allocations; fills both prefix caches).
-    settle(pids)
+    settle(me)
     ours()
-    settle(pids)
+    settle(me)
     theirs()
     runs: dict[str, list[dict]] = {"ours": [], "vllm": []}
     idle = []  # CPU seconds vLLM's processes used while ours ran (it should sleep)
     settled = []  # seconds waited for a quiet machine before each round
     for k in range(args.repeats):
-        settled.append(settle(pids))
+        settled.append(settle(me))
         c0 = vllm.cpu_s()
         t, r = timed(ours)
         idle.append(vllm.cpu_s() - c0)
         r.update(wall_s=t, load=load())
         runs["ours"].append(r)
-        settled.append(settle(pids))
+        settled.append(settle(me))
         r2 = theirs()
         r2["load"] = load()
         runs["vllm"].append(r2)

@@ -117,12 +117,15 @@ class ThreadTuner:
             self._interval = {c: self._first_interval(c, went_down) for c in self._candidates()}
         else:
             self.set_threads(self.threads)
-            # Lost: twice as long before the next probe this way (down: probe_every at least).
-            floor = self.recover_after if cand > self.threads else self.probe_every
-            self._interval[cand] = min(8 * self.probe_every, max(floor, 2 * self._interval[cand]))
+            # Lost: twice as long before the next probe this way, never under its base wait.
+            self._interval[cand] = min(8 * self.probe_every, max(self._base_wait(cand), 2 * self._interval[cand]))
 
     def _first_interval(self, cand: int, went_down: bool) -> int:
         """Steps before the first probe of ``cand`` after a switch to ``self.threads``."""
         if (cand < self.threads) == went_down:
             return self.first_probe  # on the same way: 4 -> 2 may be followed by 2 -> 1
+        return self._base_wait(cand)
+
+    def _base_wait(self, cand: int) -> int:
+        """Back up (after a switch down): recover_after. Down: the routine probe_every."""
         return self.recover_after if cand > self.threads else self.probe_every

@@ -17,7 +17,6 @@ kernel's limits (GQA group 16, head_dim 256, page size 128).
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,8 +27,6 @@ from .native_build import NativeLibrary
 
 if TYPE_CHECKING:
     from ..batch import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
 ENV_SWITCH = "CONSTRAINED_SERVE_NATIVE_ATTENTION"
