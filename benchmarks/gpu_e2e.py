@@ -111,7 +111,7 @@ def bandwidth_bound(engine, args: argparse.Namespace, ms_per_step: float) -> dic
     counts the prefill steps, so the share is a lower bound)."""
     import torch
 
-    from constrained_serve.runner import ModelRunner
+    from constrained_serve.runtime.runner import ModelRunner
 
     name = torch.cuda.get_device_name(0)
     tbps = args.hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in name), None)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import engine_parser, machine, median, save  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
-from constrained_serve.request import Request  # noqa: E402
+from constrained_serve.engine.request import Request  # noqa: E402
 
 FILLER = (
     "Our support policy covers shipping delays, damaged goods, billing errors and account access. "

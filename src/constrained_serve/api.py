@@ -16,23 +16,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import outputs
 from .cache.manager import KVCacheManager
 from .cache.pins import PinRegistry
 from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
-from .engine import EngineCore
+from .engine.core import EngineCore
+from .engine.request import Request
+from .engine.scheduler import Scheduler
 from .inputs import Call, EngineInputs, Messages
 from .models import loader
 from .models.llama import sliding_window_of
+from .output import results as outputs
 from .params import SamplingParams
-from .request import Request
 from .result import Result
-from .runner import ModelRunner
-from .scheduler import Scheduler
+from .runtime.runner import ModelRunner
+from .runtime.thread_tuner import ThreadTuner
 from .streaming import EngineStreaming
-from .thread_tuner import ThreadTuner
 
 if TYPE_CHECKING:
     from .conversation import Conversation

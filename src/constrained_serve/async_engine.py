@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .engine.request import Request
 from .errors import OutputError
 from .inputs import Call
 from .params import SamplingParams
-from .request import Request
 from .result import Result
 
 logger = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class AsyncEngine:
             async for delta in self._stream_request(r):
                 yield delta
             return
-        from .partial import PartialObjects, final_object
+        from .output.partial import PartialObjects, final_object
 
         if r.spec is None or not r.spec.is_json:
             self._stepper.cancel([r])

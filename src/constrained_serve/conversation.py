@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-from .detokenizer import IncrementalDetokenizer, encode, encode_continuation
-from .interrupts import sigint_deferred
+from .engine.detokenizer import IncrementalDetokenizer, encode, encode_continuation
+from .engine.interrupts import sigint_deferred
 from .params import SamplingParams
 from .result import Result
 

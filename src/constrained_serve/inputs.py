@@ -10,13 +10,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import outputs
 from .config import EngineConfig
+from .engine.request import GrammarState, Request
 from .errors import GrammarError, PromptTooLongError
+from .output import results as outputs
 from .params import OutputSpec, SamplingParams
-from .request import GrammarState, Request
 from .result import Result
-from .sampler import step_seed
+from .runtime.sampler import step_seed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

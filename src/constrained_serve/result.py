@@ -59,7 +59,7 @@ class Result:
 
     def __repr__(self) -> str:
         try:
-            from .display import result_repr_text
+            from .output.display import result_repr_text
         except ImportError:  # display helpers not available: a plain, still useful repr
             return (
                 f"Result(finish_reason={self.finish_reason!r}, text={self.text[:80]!r}, "
@@ -68,6 +68,6 @@ class Result:
         return result_repr_text(self)
 
     def _repr_html_(self) -> str:
-        from .display import result_repr_html
+        from .output.display import result_repr_html
 
         return result_repr_html(self)

@@ -8,13 +8,13 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .engine.request import Request
 from .errors import OutputError
 from .inputs import Messages
 from .params import SamplingParams
-from .request import Request
 
 if TYPE_CHECKING:
-    from .engine import EngineCore
+    from .engine.core import EngineCore
 
 
 class EngineStreaming:
@@ -51,7 +51,7 @@ class EngineStreaming:
         return self._partial(r, prompt) if partial else self._stream(r)
 
     def _partial(self, r: Request, prompt: Any) -> Iterator[Any]:
-        from .partial import PartialObjects, final_object
+        from .output.partial import PartialObjects, final_object
 
         objects = PartialObjects(r.spec.python_type)
         for delta in self._stream(r):

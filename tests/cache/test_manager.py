@@ -15,8 +15,8 @@ import pytest
 from constrained_serve.cache.manager import KVCacheManager
 from constrained_serve.cache.pool import PagePool
 from constrained_serve.cache.radix import RadixCache
+from constrained_serve.engine.request import Request
 from constrained_serve.params import SamplingParams
-from constrained_serve.request import Request
 
 PS = 4
 

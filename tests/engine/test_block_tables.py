@@ -10,9 +10,9 @@ import random
 
 import numpy as np
 
-from constrained_serve.block_tables import BlockTables
+from constrained_serve.engine.request import Request, Status
 from constrained_serve.params import SamplingParams
-from constrained_serve.request import Request, Status
+from constrained_serve.runtime.block_tables import BlockTables
 
 
 def request() -> Request:

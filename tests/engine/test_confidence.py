@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from constrained_serve import SamplingParams
-from constrained_serve.json_spans import scan
+from constrained_serve.output.json_spans import scan
 
 from .specs import BOUNDED, Person
 
@@ -29,7 +29,7 @@ def test_field_confidence_matches_hf_logprobs(default_engine):
         logits = hf(torch.tensor([prompt + r.token_ids])).logits[0, len(prompt) - 1 : -1]
     lp = torch.log_softmax(logits.float(), dim=-1)
     hf_token = [float(lp[i, t]) for i, t in enumerate(r.token_ids)]
-    from constrained_serve.confidence import token_offsets
+    from constrained_serve.output.confidence import token_offsets
 
     offsets = token_offsets(default_engine.tokenizer, prompt[-4:], r.token_ids)
     for span in scan(r.text)[0]:
@@ -45,7 +45,7 @@ def test_field_confidence_matches_hf_logprobs(default_engine):
 
 def test_cli_confidence_column_and_display(tiny_engine_factory, tmp_path, capsys):
     from constrained_serve.cli import main
-    from constrained_serve.display import result_repr_html
+    from constrained_serve.output.display import result_repr_html
 
     eng = tiny_engine_factory()
     schema = tmp_path / "s.json"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from constrained_serve import SamplingParams
-from constrained_serve.cuda_graphs import batch_buckets, graph_splits
+from constrained_serve.runtime.cuda_graphs import batch_buckets, graph_splits
 
 PROMPTS = [
     "The parcel was late",
@@ -63,8 +63,8 @@ def test_staged_logits_equal_plain_logits_with_padding_and_long_contexts(tiny_en
     prompts = ["word " * 40, "another prompt " * 12, "x"]
 
     # One decode step by hand, as the scheduler would build it, for three live requests.
-    from constrained_serve.batch import Batch, ScheduledChunk
-    from constrained_serve.request import Request
+    from constrained_serve.engine.batch import Batch, ScheduledChunk
+    from constrained_serve.engine.request import Request
 
     reqs = []
     for p in prompts:
@@ -106,8 +106,8 @@ def test_short_chunks_unrolled_into_rows_give_the_plain_logits(tiny_engine_facto
     assert runner.enable_decode_graphs(12, engine.max_model_len, capture=False)
     graphs = runner.graphs
 
-    from constrained_serve.batch import Batch, ScheduledChunk
-    from constrained_serve.request import Request
+    from constrained_serve.engine.batch import Batch, ScheduledChunk
+    from constrained_serve.engine.request import Request
 
     prompts = ["word " * 40, "another prompt " * 12, "x y z", "a somewhat longer prompt " * 3]
     new = [1, 5, 1, 3]  # tokens each request feeds this step
@@ -130,7 +130,7 @@ def test_short_chunks_unrolled_into_rows_give_the_plain_logits(tiny_engine_facto
     assert staged.shape == (4, plain.shape[1])
     torch.testing.assert_close(staged, plain, rtol=1e-4, atol=1e-4)
     # A chunk longer than the unrolling limit is left to the eager path.
-    from constrained_serve.cuda_graphs import MAX_UNROLLED_CHUNK
+    from constrained_serve.runtime.cuda_graphs import MAX_UNROLLED_CHUNK
 
     reqs[1].token_ids.extend([7] * (MAX_UNROLLED_CHUNK + 1))
     reqs[1].num_computed += 5

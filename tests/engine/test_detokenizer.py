@@ -1,7 +1,7 @@
 """Incremental detokenization is exact for multi-byte characters; cut_at_stop holds back the
 text a stop string may still begin in."""
 
-from constrained_serve.detokenizer import IncrementalDetokenizer
+from constrained_serve.engine.detokenizer import IncrementalDetokenizer
 
 from ..helpers import subprocess_env
 
@@ -19,7 +19,7 @@ def test_token_by_token_equals_full_decode(default_tokenizer):
 
 
 def test_cut_at_stop_holds_back_a_possible_stop_start():
-    from constrained_serve.detokenizer import cut_at_stop
+    from constrained_serve.engine.detokenizer import cut_at_stop
 
     assert cut_at_stop("Hello. World", ["."], final=False) == "Hello"
     assert cut_at_stop("abc s ar", ["s are"], final=False) == "abc "  # "s ar" may become "s are"
@@ -55,7 +55,7 @@ def test_batch_decoder_decodes_like_the_tokenizer_and_starts_no_thread_pool(defa
     import sys
     import textwrap
 
-    from constrained_serve.detokenizer import batch_decoder
+    from constrained_serve.engine.detokenizer import batch_decoder
 
     tok = default_tokenizer
     seqs = [tok.encode(t, add_special_tokens=False) for t in TEXTS] + [[tok.eos_token_id], []]
@@ -69,7 +69,7 @@ def test_batch_decoder_decodes_like_the_tokenizer_and_starts_no_thread_pool(defa
         f"""
         import os
         from transformers import AutoTokenizer
-        from constrained_serve.detokenizer import batch_decoder
+        from constrained_serve.engine.detokenizer import batch_decoder
         tok = AutoTokenizer.from_pretrained({tok.name_or_path!r})
         decode = batch_decoder(tok)
         before = len(os.listdir("/proc/self/task"))

@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from constrained_serve import Result, SamplingParams, Usage
-from constrained_serve.display import result_repr_html, result_repr_text
+from constrained_serve.output.display import result_repr_html, result_repr_text
 
 
 class Ticket(BaseModel):

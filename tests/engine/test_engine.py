@@ -87,7 +87,7 @@ def test_greedy_identical_across_batching_default_model(default_model_dir):
 def test_decodes_are_never_stalled_by_a_long_prefill(tiny_engine_factory):
     eng = tiny_engine_factory(max_num_batched_tokens=16, pipeline=False)  # runs the steps by hand
     sched = eng.core.scheduler
-    from constrained_serve.request import Request
+    from constrained_serve.engine.request import Request
 
     short = Request(eng.encode_prompt("Hi"), SamplingParams(max_tokens=30, ignore_eos=True))
     eng.core.add(short)

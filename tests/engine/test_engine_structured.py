@@ -257,7 +257,7 @@ def test_sampled_outputs_always_match(tiny_engine_factory):
 
 def test_request_waits_while_its_grammar_compiles(tiny_engine_factory):
     """A request whose compile is still running is not admitted; the others keep decoding."""
-    from constrained_serve.request import GrammarState, Request
+    from constrained_serve.engine.request import GrammarState, Request
 
     eng = tiny_engine_factory()
     _ = eng.grammar  # create the manager

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from constrained_serve.input_staging import InputStaging
+from constrained_serve.runtime.input_staging import InputStaging
 
 
 def test_parts_come_back_as_views_in_order_and_the_buffer_grows():

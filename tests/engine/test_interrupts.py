@@ -106,7 +106,7 @@ def test_a_request_the_core_lost_fails_instead_of_spinning(tiny_engine_factory):
     eng = tiny_engine_factory()
     it = eng.generate_iter(["a", "b"], [SamplingParams(max_tokens=2, ignore_eos=True), P])
     next(it)  # "b" is still running
-    from constrained_serve.request import Status
+    from constrained_serve.engine.request import Status
 
     [b] = eng.core.scheduler.running  # lost as if taken off the queue and never placed
     eng.core.scheduler.running.remove(b)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from constrained_serve.json_spans import complete_members, scan
+from constrained_serve.output.json_spans import complete_members, scan
 
 TEXT = '{"name":"Zoë \\"Z\\"","age":31,"tags":["a",{"b":[1,2.5e3,null]}],"ok":false,"x y":{}}'
 

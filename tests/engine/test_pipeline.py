@@ -7,8 +7,8 @@ from __future__ import annotations
 import collections
 
 from constrained_serve import SamplingParams
-from constrained_serve.engine import PLACEHOLDER
-from constrained_serve.request import Request
+from constrained_serve.engine.core import PLACEHOLDER
+from constrained_serve.engine.request import Request
 
 from .specs import RECORD
 

@@ -5,7 +5,7 @@ penalties; the raw logprobs of sampled and prompt tokens."""
 import pytest
 
 from constrained_serve import SamplingParams
-from constrained_serve.sampler import step_seed
+from constrained_serve.runtime.sampler import step_seed
 
 
 def test_seeded_sampling_is_batch_independent(tiny_engine_factory):
@@ -85,8 +85,8 @@ def test_step_seed_mixes():
 def test_apply_penalties_matches_a_per_token_reference():
     import torch
 
-    from constrained_serve.request import Request
-    from constrained_serve.sampler import apply_penalties
+    from constrained_serve.engine.request import Request
+    from constrained_serve.runtime.sampler import apply_penalties
 
     torch.manual_seed(0)
     vocab = 40

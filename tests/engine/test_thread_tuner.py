@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from constrained_serve import SamplingParams
-from constrained_serve.thread_tuner import ThreadTuner
+from constrained_serve.runtime.thread_tuner import ThreadTuner
 
 
 class Machine:

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from constrained_serve.batch import AttentionMetadata
+from constrained_serve.kernels.attention_metadata import AttentionMetadata
 
 # Chi-square critical values at significance 0.001, by degrees of freedom (scipy is not
 # installed). Draws are seeded, so each test is deterministic; 0.001 keeps it from being

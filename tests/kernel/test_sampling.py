@@ -14,7 +14,7 @@ import torch
 from constrained_serve.kernels import sampling as S
 from constrained_serve.kernels.sampling import apply_bitmask_torch, greedy_masked, sample_torch
 from constrained_serve.kernels.sampling_tensors import SamplingTensors
-from constrained_serve.sampler import step_seed
+from constrained_serve.runtime.sampler import step_seed
 
 from .helpers import CHI2_CRIT_001, expected_probs, require_triton
 

@@ -4,11 +4,11 @@ checkpoints in a config's shapes."""
 
 import torch
 
-from constrained_serve.batch import Batch, ScheduledChunk
+from constrained_serve.engine.batch import Batch, ScheduledChunk
+from constrained_serve.engine.request import Request
 from constrained_serve.models import loader
 from constrained_serve.params import SamplingParams
-from constrained_serve.request import Request
-from constrained_serve.runner import ModelRunner
+from constrained_serve.runtime.runner import ModelRunner
 
 PROMPTS = [
     "The capital of France is",

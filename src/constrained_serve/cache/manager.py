@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..request import Request
+from ..engine.request import Request
 from .pool import OutOfPages, PagePool
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..interrupts import sigint_deferred
+from ..engine.interrupts import sigint_deferred
 from .pool import PagePool
 
 if TYPE_CHECKING:

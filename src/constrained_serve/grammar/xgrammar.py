@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from ..detokenizer import encode_continuation
+from ..engine.detokenizer import encode_continuation
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_width

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import AttentionMetadata
 from . import native_decode
+from .attention_metadata import AttentionMetadata
 from .kv_layout import heads_view
 from .long_chunks import attend_long, long_chunks
 from .short_rows import attend_short, short_groups

@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from ..batch import AttentionMetadata
 from ._triton import HAS_TRITON, require_triton, tl, triton  # noqa: F401
+from .attention_metadata import AttentionMetadata
 from .decode_split_triton import default_num_splits
 
 if HAS_TRITON:

@@ -5,8 +5,8 @@ kernel reduces, so a batch of few long sequences still fills the GPU.
 
 from __future__ import annotations
 
-from ..batch import AttentionMetadata
 from ._triton import HAS_TRITON, tl, triton  # noqa: F401
+from .attention_metadata import AttentionMetadata
 
 if HAS_TRITON:
     from .attention_tile_triton import _attn_tile

@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from ..batch import AttentionMetadata
 from . import attention, sampling
+from .attention_metadata import AttentionMetadata
 from .sampling_tensors import SamplingTensors
 
 logger = logging.getLogger(__name__)

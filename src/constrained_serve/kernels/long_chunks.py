@@ -32,7 +32,7 @@ from .masking import additive_mask, masked_softmax, visible_keys
 from .short_rows import SHORT_CHUNK
 
 if TYPE_CHECKING:
-    from ..batch import AttentionMetadata
+    from .attention_metadata import AttentionMetadata
 
 # Scores ([Hkv, n*G, L] floats) up to this many elements use the batched GEMM path: 4M fp32 = 16 MiB.
 MAX_GEMM_SCORES = 1 << 22

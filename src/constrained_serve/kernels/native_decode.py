@@ -26,7 +26,7 @@ from .kv_layout import heads_view
 from .native_build import NativeLibrary
 
 if TYPE_CHECKING:
-    from ..batch import AttentionMetadata
+    from .attention_metadata import AttentionMetadata
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
 ENV_SWITCH = "CONSTRAINED_SERVE_NATIVE_ATTENTION"

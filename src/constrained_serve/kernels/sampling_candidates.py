@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..input_staging import to_device
+from ..runtime.input_staging import to_device
 from ._triton import HAS_TRITON, tl, triton
 from .sampling_tensors import SamplingTensors
 

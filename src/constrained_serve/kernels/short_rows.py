@@ -27,7 +27,7 @@ from .kv_layout import gather_heads
 from .masking import additive_mask, masked_softmax, visible_keys
 
 if TYPE_CHECKING:
-    from ..batch import AttentionMetadata
+    from .attention_metadata import AttentionMetadata
 
 # Chunks up to this many tokens (decodes, grammar-forced tokens appended to a decoding request)
 # are attended in batched calls with the decode rows; longer chunks get one call each.

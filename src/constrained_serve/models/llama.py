@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..batch import AttentionMetadata
 from ..kernels import dispatch, native_fused
+from ..kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import OutputError
+from ..errors import OutputError
 from .json_spans import complete_members
 
 if TYPE_CHECKING:
-    from .params import OutputSpec
-    from .result import Result
+    from ..params import OutputSpec
+    from ..result import Result
 
 __all__ = ["PartialObjects", "final_object"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .errors import GrammarError, OutputError, OutputValidationError
-from .request import Request
-from .result import Result, Usage
+from ..engine.request import Request
+from ..errors import GrammarError, OutputError, OutputValidationError
+from ..result import Result, Usage
 
 
 def result_of(group: list[Request], prompt: Any, raise_on_error: bool, grammar: Any, max_model_len: int) -> Result:
@@ -96,7 +96,7 @@ def _result(r: Request, prompt: Any, raise_on_error: bool, grammar: Any, max_mod
                 f"output cut by {what} {r.stop_reason!r} before the {r.spec.kind} was complete; nothing was repaired"
             )
         elif res.finish_reason == "stop":
-            from .grammar.output_check import parse_output
+            from ..grammar.output_check import parse_output
 
             try:
                 res.json, res.parsed = parse_output(r.spec, text)

@@ -14,15 +14,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..params import OutputSpec, SamplingParams
 from .detokenizer import IncrementalDetokenizer, cut_at_stop
-from .params import OutputSpec, SamplingParams
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from .cache.radix import Node
-    from .grammar.base import CompiledGrammar
-    from .grammar.matchers import MatcherHandle
+    from ..cache.radix import Node
+    from ..grammar.base import CompiledGrammar
+    from ..grammar.matchers import MatcherHandle
 
 _ids = itertools.count()
 

@@ -1,9 +1,6 @@
-"""What one step computes, in the types the scheduler, the runner, the model and the
-attention kernels share (so none of them imports another for its types).
-
-The scheduler picks a ``Batch`` of ``ScheduledChunk``s; the runner turns it into flat
-tensors and an ``AttentionMetadata``, which every layer's attention reads.
-"""
+"""Where each sequence's tokens, keys and pages are in one step: the type the runner builds
+and every attention kernel reads (the model and the kernels import it, not the scheduler's
+types)."""
 
 from __future__ import annotations
 
@@ -13,33 +10,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
-    from .request import Request
-
-
-@dataclass
-class ScheduledChunk:
-    """One sequence's share of a step: ``num_new`` tokens from ``request.num_computed`` on."""
-
-    request: Request
-    num_new: int
-    sample: bool  # the chunk reaches the end of the known tokens: its last row samples
-
-
-@dataclass
-class Batch:
-    chunks: list[ScheduledChunk]  # decode chunks (num_new == 1) first, then prefill chunks
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new for c in self.chunks)
-
-    @property
-    def sampling_chunks(self) -> list[ScheduledChunk]:
-        return [c for c in self.chunks if c.sample]
-
-    def __bool__(self) -> bool:
-        return bool(self.chunks)
 
 
 @dataclass

@@ -38,13 +38,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..cache.manager import KVCacheManager
+from ..runtime.runner import ModelRunner
+from ..runtime.sampler import SampledTokens, Sampler, record_prompt_logprobs
 from .batch import Batch
-from .cache.manager import KVCacheManager
 from .detokenizer import IncrementalDetokenizer, batch_decoder
 from .interrupts import sigint_deferred
 from .request import Request
-from .runner import ModelRunner
-from .sampler import SampledTokens, Sampler, record_prompt_logprobs
 from .scheduler import Scheduler
 from .step_update import StepUpdates
 
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from .grammar.manager import GrammarManager
+    from ..grammar.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .detokenizer import IncrementalDetokenizer
+from ..engine.detokenizer import IncrementalDetokenizer
 from .json_spans import scan
 
 __all__ = ["field_confidence", "token_offsets"]

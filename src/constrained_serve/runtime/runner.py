@@ -13,15 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import AttentionMetadata, Batch
+from ..engine.batch import Batch
+from ..engine.request import Request
+from ..kernels.attention import triton_supports
+from ..kernels.attention_metadata import AttentionMetadata
+from ..kernels.dispatch import use_triton
+from ..kernels.kv_layout import allocate_pool
+from ..models.llama import LlamaModel
 from .block_tables import BlockTables
 from .cuda_graphs import DecodeGraphs
 from .input_staging import InputStaging
-from .kernels.attention import triton_supports
-from .kernels.dispatch import use_triton
-from .kernels.kv_layout import allocate_pool
-from .models.llama import LlamaModel
-from .request import Request
 from .thread_tuner import ThreadTuner
 
 

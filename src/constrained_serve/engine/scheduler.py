@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from ..cache.manager import KVCacheManager
 from .batch import Batch, ScheduledChunk
-from .cache.manager import KVCacheManager
 from .request import Request, Status
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import weakref
 
 import numpy as np
 
-from .request import Request
+from ..engine.request import Request
 
 
 class BlockTables:

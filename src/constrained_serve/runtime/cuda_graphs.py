@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import AttentionMetadata
+from ..kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

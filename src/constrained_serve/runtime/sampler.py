@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.request import Request
+from ..kernels import dispatch
+from ..kernels.sampling_candidates import candidate_rows
+from ..kernels.sampling_tensors import SamplingTensors
 from .input_staging import InputStaging, to_device
-from .kernels import dispatch
-from .kernels.sampling_candidates import candidate_rows
-from .kernels.sampling_tensors import SamplingTensors
-from .request import Request
 
 _MASK64 = (1 << 63) - 1
 

@@ -17,8 +17,8 @@ from .stop_strings import forced_until_stop, stop_string_seen
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .cache.manager import KVCacheManager
-    from .grammar.manager import GrammarManager
+    from ..cache.manager import KVCacheManager
+    from ..grammar.manager import GrammarManager
     from .scheduler import Scheduler
 
 

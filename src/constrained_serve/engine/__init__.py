@@ -1,0 +1,1 @@
+"""The engine core: the step loop, the scheduler, requests and their updates."""
