@@ -44,7 +44,6 @@ def _top_level_imports(path: Path, name: str) -> set[str]:
 # call back into its owner, so the two are one unit split over two files.
 OWNER_BACK_REFERENCES = {
     ("constrained_serve.grammar.matchers", "constrained_serve.grammar.manager"),
-    ("constrained_serve.conversation", "constrained_serve.api"),
 }
 
 

@@ -1,14 +1,17 @@
 """The public facade: ``Engine`` with generate / chat / generate_iter / stream / conversation.
 
-It turns user inputs (strings, message lists, output specs) into ``Request`` objects, drives
-``EngineCore`` and turns finished requests into ``Result`` objects, in input order.
+``Engine`` is composed of smaller objects: ``inputs`` (a ``RequestBuilder``, inputs.py) turns
+user inputs (strings, message lists, output specs) into ``Request`` objects, ``driver`` (a
+``Driver``, engine/driver.py) owns the core lock and adds, steps and aborts them on
+``core`` (``EngineCore``), and finished requests become ``Result`` objects (output/results.py),
+in input order. ``entries`` and ``result_of`` are that path as a public, typed API, which
+``AsyncEngine`` uses too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -21,39 +24,27 @@ from .cache.pins import PinRegistry
 from .cache.pool import PagePool
 from .cache.radix import RadixCache
 from .config import EngineConfig
+from .conversation import Conversation
 from .engine.core import EngineCore
-from .engine.request import Request
+from .engine.driver import Driver
 from .engine.scheduler import Scheduler
-from .inputs import Call, EngineInputs, Messages
+from .inputs import Call, Entry, Messages, RequestBuilder
 from .models import loader
 from .models.llama import sliding_window_of
 from .output import results as outputs
-from .params import SamplingParams
+from .params import OutputSpec, SamplingParams
 from .result import Result
 from .runtime.runner import ModelRunner
 from .runtime.thread_tuner import ThreadTuner
-from .streaming import EngineStreaming
+from .streaming import PartialStream, stream_partial, stream_text
 
 if TYPE_CHECKING:
-    from .conversation import Conversation
     from .grammar.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
 
 
-def _done(x: Request | list[Request] | Result) -> bool:
-    """An entry of a call's pending queue that can be handed back: an error Result, or a
-    finished request (all n of them, for SamplingParams.n > 1)."""
-    if isinstance(x, list):
-        return all(r.finished for r in x)
-    return isinstance(x, Result) or x.finished
-
-
-def _requests(x: Request | list[Request] | Result) -> list[Request]:
-    return x if isinstance(x, list) else [] if isinstance(x, Result) else [x]
-
-
-class Engine(EngineInputs, EngineStreaming):
+class Engine:
     """A causal LM turned into a structured-output engine. See README for examples."""
 
     def __init__(
@@ -103,10 +94,9 @@ class Engine(EngineInputs, EngineStreaming):
         if dev.type == "cuda" and cfg.cuda_graphs:
             runner.enable_decode_graphs(cfg.graph_batch(), self.max_model_len)
         # One thread at a time drives the core (adds, steps, aborts) and changes the cache
-        # (conversation pins take it too). Calls from several threads still share batches:
-        # every step advances every caller's requests, and each caller only waits for its own.
-        self._core_lock = threading.RLock()
-        pins = PinRegistry(self.pool, radix, self._core_lock, cfg.conversation_lock_fraction)
+        # (conversation pins take it too): the driver's lock, see engine/driver.py.
+        lock = threading.RLock()
+        pins = PinRegistry(self.pool, radix, lock, cfg.conversation_lock_fraction)
         self.kv = KVCacheManager(self.pool, radix, pins=pins, copy_page_prefix=runner.copy_page_prefix)
         scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.batched_tokens(dev))
         self.core = EngineCore(
@@ -121,7 +111,10 @@ class Engine(EngineInputs, EngineStreaming):
             fast_forward=cfg.fast_forward,
             pipeline=cfg.pipeline if cfg.pipeline is not None else dev.type == "cuda",
         )
-        self._rng = random.Random(cfg.seed)
+        self.driver = Driver(self.core, lock)
+        self.inputs = RequestBuilder(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.core.grammar_manager, seed=cfg.seed
+        )
         logger.info(
             "engine ready: %s on %s (%s), %d KV pages of %d tokens",
             self.model_path,
@@ -184,13 +177,38 @@ class Engine(EngineInputs, EngineStreaming):
             return self.config.grammar_mask_workers
         return 1 if self.device.type == "cpu" else min(8, max(2, (os.cpu_count() or 2) // 2))
 
-    # ------------------------------------------------------------------ outputs
-    def _hand_back(self, x: Request | list[Request] | Result, prompt: Any, raise_on_error: bool) -> Result:
-        """The Result of a pending entry that is done (see outputs.py)."""
-        if isinstance(x, Result):
-            return x
-        group = x if isinstance(x, list) else [x]
-        return outputs.result_of(group, prompt, raise_on_error, self.core.grammar, self.max_model_len)
+    # ------------------------------------------------------------------ inputs
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """A raw prompt's token ids (with the tokenizer's special tokens, e.g. BOS)."""
+        return self.inputs.encode_prompt(prompt)
+
+    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+        """A message list rendered by the model's chat template (ValueError if it cannot be)."""
+        return self.inputs.render_chat(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        """A message list's token ids, through the chat template with the generation prompt."""
+        return self.inputs.encode_chat(messages)
+
+    def make_spec(self, **spec_kwargs: Any) -> OutputSpec | None:
+        """The output spec of schema= / regex= / grammar= / choices= / response_format= (None without one)."""
+        return self.inputs.make_spec(**spec_kwargs)
+
+    # ------------------------------------------------------------------ submission
+    def entries(self, call: Call) -> Iterator[Entry]:
+        """One ``Entry`` per item of ``call``, built as the iterator is read: the item's
+        requests, not added to the core yet (add them with ``driver.add``), or the error Result
+        of an item that failed alone. What the items share (params, a shared spec, keywords) is
+        checked here, at the call: a bad one raises before any model work."""
+        return self.inputs.entries(call)
+
+    def result_of(self, entry: Entry, raise_on_error: bool = False) -> Result:
+        """The Result of a done entry (``entry.done``): its error Result, or its finished
+        request(s) as text, usage and the parsed value (output/results.py). ``raise_on_error``
+        raises the output's error instead of reporting it on the Result."""
+        if entry.error is not None:
+            return entry.error
+        return outputs.result_of(entry.requests, entry.item, raise_on_error, self.core.grammar, self.max_model_len)
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -245,71 +263,65 @@ class Engine(EngineInputs, EngineStreaming):
     def _iter(self, call: Call, max_in_flight: int | None = None) -> Iterator[Result]:
         """The call's Results in input order, stepping the engine meanwhile. With
         ``max_in_flight`` None every item is submitted at once (generate, chat: a list)."""
-        plan = self._plan(call)
+        entries = self.entries(call)
         bar = None
         if call.progress:
             from tqdm.auto import tqdm
 
             total = len(call.items) if max_in_flight is None and isinstance(call.items, list) else None
             bar = tqdm(total=total, desc="generate", unit="req")
-        pending: deque[tuple[int, Any, Request | Result]] = deque()
+        pending: deque[Entry] = deque()
         limit = max_in_flight or (1 << 62)
         in_flight = 0  # entries not handed back, weighed in requests: n for a prompt sampled n times
-        it = iter(enumerate(call.items))
         exhausted = False
         try:
             while True:
                 while not exhausted and in_flight < limit:
-                    nxt = next(it, None)
-                    if nxt is None:
+                    entry = next(entries, None)
+                    if entry is None:
                         exhausted = True
                         break
-                    i, item = nxt
-                    group = self._requests_or_error(call, plan, i, item)
-                    if isinstance(group, Result):
-                        pending.append((i, item, group))
-                        in_flight += 1
-                        continue
-                    with self._core_lock:
-                        for r in group:
-                            self.core.add(r)
-                    pending.append((i, item, group if len(group) > 1 else group[0]))
-                    in_flight += len(group)
+                    self.driver.add(entry.requests)
+                    pending.append(entry)
+                    in_flight += entry.weight
                 # Yield finished heads in order, then step.
-                while pending and _done(pending[0][2]):
-                    i, item, x = pending.popleft()
-                    in_flight -= max(1, len(_requests(x)))
-                    res = self._hand_back(x, item, call.raise_on_error)
+                while pending and pending[0].done:
+                    entry = pending.popleft()
+                    in_flight -= entry.weight
+                    res = self.result_of(entry, call.raise_on_error)
                     if bar is not None:
                         bar.update(1)
                     yield res
                 if not pending and exhausted:
                     return
-                with self._core_lock:  # another thread's step may have finished ours meanwhile
-                    if pending and not _done(pending[0][2]):
-                        self._step_for(next(r for r in _requests(pending[0][2]) if not r.finished))
+                if pending:  # another thread's step may have finished its requests meanwhile
+                    self.driver.step_for(pending[0].requests)
         finally:
             if bar is not None:
                 bar.close()
-            with self._core_lock:
-                for _, _, x in pending:  # the caller stopped early: free what is still running
-                    for r in _requests(x):
-                        if not r.finished:
-                            self.core.abort(r)
-                self.core.drain_finished()
+            # The caller stopped early: free what is still running.
+            self.driver.abort([r for entry in pending for r in entry.requests])
 
-    def _step_for(self, r: Request) -> None:
-        """One step for a caller waiting on r (under the core lock). An unfinished request
-        the core no longer holds would make its caller spin forever: fail loudly instead."""
-        if not self.core.has_work():
-            raise RuntimeError(
-                f"request {r.request_id} is unfinished but no longer scheduled "
-                "(engine state lost, e.g. after an error inside a step)"
-            )
-        self.core.step()
+    # ------------------------------------------------------------------ streams
+    def stream(
+        self, prompt: str | Messages, params: SamplingParams | None = None, *, partial: bool = False, **spec_kwargs: Any
+    ) -> Iterator[Any]:
+        """An iterator of text deltas as they are decoded (constrained or not). Bad input
+        raises here, at the call; decoding starts at the first ``next()``. A request that fails
+        midway (``finish_reason == "abort"``: a grammar dead end, no KV room) raises
+        OutputError after the text it produced; truncation and stops end the stream quietly.
+
+        ``partial=True`` (a JSON spec): partial objects instead of text, one each time another
+        top-level field is complete, then the validated object (see partial.py); an output
+        that does not complete or validate raises OutputError at the end."""
+        [entry] = self.entries(Call.stream(prompt, params, spec_kwargs))
+        [r] = entry.requests
+        if not partial:
+            return stream_text(self.driver, r)
+        objects = PartialStream(r)
+        return stream_partial(stream_text(self.driver, r), objects, lambda: self.result_of(entry))
 
     # ------------------------------------------------------------------ conversations
     def conversation(self, system: str | None = None, params: SamplingParams | None = None) -> Conversation:
-        from .conversation import Conversation
-
+        """A multi-turn conversation on the cached KV (conversation.py)."""
         return Conversation(self, system=system, params=params)

@@ -23,13 +23,20 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .engine.driver import Driver, LostRequestError
 from .engine.request import Request
 from .errors import OutputError
-from .inputs import Call
+from .inputs import Call, Entry
 from .params import SamplingParams
 from .result import Result
+from .streaming import PartialStream, TextDeltas, check_not_aborted
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .api import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +53,26 @@ class _Watch:
     on_done: Callable[[BaseException | None], None] | None = None  # once, when all have finished
     done: bool = field(default=False)
 
+    def finish(self, error: BaseException | None) -> None:
+        if not self.done:
+            self.done = True
+            if self.on_done is not None:
+                self.on_done(error)
+
 
 class _Stepper:
-    """The thread that steps the engine for the coroutines. Given a factory, it builds the
-    engine itself: on CPU, torch's OpenMP runtime throttles its spin-waits once a second
-    thread runs parallel regions, and a forward then runs ~30% slower (12.9 s against 16.7 s
-    for 64 chats on the 2-core VM) than on the thread that loaded the model."""
+    """The thread that steps the engine for the coroutines, through the engine's driver.
+    Given a factory, it builds the engine itself: on CPU, torch's OpenMP runtime throttles
+    its spin-waits once a second thread runs parallel regions, and a forward then runs ~30%
+    slower (12.9 s against 16.7 s for 64 chats on the 2-core VM) than on the thread that
+    loaded the model."""
 
-    def __init__(self, engine: Any = None, factory: Callable[[], Any] | None = None) -> None:
-        self.engine = engine
+    engine: Engine
+    driver: Driver  # the engine's: it adds, steps and aborts
+
+    def __init__(self, engine: Engine | None = None, factory: Callable[[], Engine] | None = None) -> None:
+        if engine is not None:
+            self.engine, self.driver = engine, engine.driver
         self._cv = threading.Condition()
         self._watches: list[_Watch] = []
         self._aborts: list[Request] = []
@@ -67,10 +85,11 @@ class _Stepper:
         if self._failed is not None:
             raise self._failed
 
-    def _main(self, factory: Callable[[], Any] | None) -> None:
+    def _main(self, factory: Callable[[], Engine] | None) -> None:
         try:
             if factory is not None:
-                self.engine = factory()
+                engine = factory()
+                self.engine, self.driver = engine, engine.driver
         except BaseException as e:  # noqa: BLE001 - raised in the constructor's thread
             self._failed = e
             return
@@ -80,9 +99,7 @@ class _Stepper:
 
     def submit(self, watch: _Watch) -> None:
         """Add the watch's requests to the engine and wake the thread."""
-        with self.engine._core_lock:
-            for r in watch.requests:
-                self.engine.core.add(r)
+        self.driver.add(watch.requests)
         with self._cv:
             if self._closed:
                 raise RuntimeError("this AsyncEngine is closed")
@@ -102,7 +119,7 @@ class _Stepper:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        core = self.engine.core
+        driver = self.driver
         while True:
             with self._cv:
                 while not self._closed and not self._watches and not self._aborts:
@@ -110,49 +127,31 @@ class _Stepper:
                 if self._closed:
                     watches, self._watches = self._watches, []
                     for w in watches:
-                        self._finish(w, RuntimeError("the AsyncEngine was closed"))
+                        w.finish(RuntimeError("the AsyncEngine was closed"))
                     return
                 watches, aborts, self._aborts = list(self._watches), self._aborts, []
             error: BaseException | None = None
             stepped = False
-            with self.engine._core_lock:
-                for r in aborts:
-                    if not r.finished:
-                        core.abort(r)
-                if any(not r.finished for w in watches for r in w.requests):
-                    if core.has_work():
-                        # A step that only reads the launched step's tokens made progress too.
-                        before, reading = core.num_steps, core.awaiting_tokens
-                        try:
-                            core.step()
-                        except Exception as e:  # noqa: BLE001 - every waiter hears of it
-                            logger.exception("engine step failed")
-                            error = e
-                        stepped = reading or core.num_steps != before
-                    else:
-                        error = RuntimeError(
-                            "requests are unfinished but no longer scheduled "
-                            "(engine state lost, e.g. after an error inside a step)"
-                        )
-                core.drain_finished()
+            with driver.lock:
+                driver.abort(aborts)
+                try:
+                    stepped = driver.step_for([r for w in watches for r in w.requests])
+                except LostRequestError as e:
+                    error = e
+                except Exception as e:  # noqa: BLE001 - every waiter hears of it
+                    logger.exception("engine step failed")
+                    error = e
                 for w in watches:
                     if w.on_step is not None:
                         w.on_step()
                     if error is not None or all(r.finished for r in w.requests):
-                        self._finish(w, error)
+                        w.finish(error)
             with self._cv:
                 self._watches = [w for w in self._watches if not w.done]
                 if not stepped and self._watches and not self._aborts:
                     # Nothing ran (every request still waits for its grammar to compile):
                     # look again shortly instead of spinning.
                     self._cv.wait(0.005)
-
-    @staticmethod
-    def _finish(w: _Watch, error: BaseException | None) -> None:
-        if not w.done:
-            w.done = True
-            if w.on_done is not None:
-                w.on_done(error)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
@@ -163,11 +162,41 @@ def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
         pass
 
 
+async def _text_deltas(stepper: _Stepper, r: Request) -> AsyncIterator[str]:
+    """r's text deltas as the stepper thread decodes it (r not added yet: it is added here);
+    a failure midway raises OutputError after its text. Stopping early cancels r."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    deltas = TextDeltas(r)
+
+    def on_step() -> None:  # stepper thread, core lock held
+        delta, _ = deltas.take()
+        if delta:
+            _on_loop(loop, queue.put_nowait, delta)
+
+    def on_done(error: BaseException | None) -> None:
+        _on_loop(loop, queue.put_nowait, error if error is not None else _END)
+
+    stepper.submit(_Watch([r], on_step=on_step, on_done=on_done))
+    try:
+        while True:
+            item = await queue.get()
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        check_not_aborted(r)
+    finally:
+        if not r.finished:
+            stepper.cancel([r])
+
+
 class AsyncEngine:
     """``AsyncEngine()`` builds an Engine with the same arguments as ``Engine(...)``;
     ``AsyncEngine(engine)`` wraps one. Close it with ``await aclose()`` (or ``async with``)."""
 
-    def __init__(self, engine: Any = None, **engine_kwargs: Any) -> None:
+    def __init__(self, engine: Engine | None = None, **engine_kwargs: Any) -> None:
         if engine is not None and engine_kwargs:
             raise TypeError("pass an Engine or the arguments to build one, not both")
         if engine is None:
@@ -177,17 +206,29 @@ class AsyncEngine:
             self._stepper = _Stepper(factory=lambda: Engine(**engine_kwargs))
         else:
             self._stepper = _Stepper(engine)
-        self.engine = self._stepper.engine
+        self.engine: Engine = self._stepper.engine
 
     @classmethod
-    def from_factory(cls, factory: Callable[[], Any]) -> "AsyncEngine":
+    def from_factory(cls, factory: Callable[[], Engine]) -> AsyncEngine:
         """An AsyncEngine over the Engine ``factory()`` builds, called on the stepper thread."""
         self = cls.__new__(cls)
         self._stepper = _Stepper(factory=factory)
         self.engine = self._stepper.engine
         return self
 
-    async def __aenter__(self) -> "AsyncEngine":
+    # ------------------------------------------------------------------ what a server shows
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The engine's tokenizer (a server decodes logprob tokens with it)."""
+        return self.engine.tokenizer
+
+    @property
+    def model_path(self) -> str | None:
+        """Where the engine's model was loaded from (a folder or a GGUF file), as a string."""
+        path = self.engine.model_path
+        return str(path) if path is not None else None
+
+    async def __aenter__(self) -> AsyncEngine:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -220,10 +261,9 @@ class AsyncEngine:
         return await self._run(Call.of(messages, params, True, spec_kwargs, raise_on_error=raise_on_error))
 
     async def _run(self, call: Call) -> list[Result]:
-        eng = self.engine
         # Tokenizing and compiling take milliseconds to seconds: not on the event loop.
-        entries = await asyncio.to_thread(self._build, call)
-        requests = [r for x in entries if isinstance(x, list) for r in x]
+        entries = await asyncio.to_thread(self._entries, call)
+        requests = [r for e in entries for r in e.requests]
         if requests:
             loop = asyncio.get_running_loop()
             done: asyncio.Future = loop.create_future()
@@ -237,14 +277,10 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 self._stepper.cancel(requests)
                 raise
-        return [
-            eng._hand_back(x if not isinstance(x, list) or len(x) > 1 else x[0], item, call.raise_on_error)
-            for x, item in zip(entries, call.items)
-        ]
+        return [self.engine.result_of(e, call.raise_on_error) for e in entries]
 
-    def _build(self, call: Call) -> list[list[Request] | Result]:
-        plan = self.engine._plan(call)
-        return [self.engine._requests_or_error(call, plan, i, item) for i, item in enumerate(call.items)]
+    def _entries(self, call: Call) -> list[Entry]:
+        return list(self.engine.entries(call))
 
     async def stream(
         self, prompt: Any, params: SamplingParams | None = None, *, partial: bool = False, **spec_kwargs: Any
@@ -253,83 +289,48 @@ class AsyncEngine:
         raises OutputError after its text. Stop iterating (or cancel) to abort it. With
         ``partial=True`` (a JSON spec): partial objects, then the validated one (partial.py)."""
         s = await self.open_stream(prompt, params, **spec_kwargs)
-        r = s.request
         if not partial:
-            async for delta in self._stream_request(r):
+            async for delta in s.deltas():
                 yield delta
             return
-        from .output.partial import PartialObjects, final_object
-
-        if r.spec is None or not r.spec.is_json:
-            self._stepper.cancel([r])
-            raise ValueError("partial=True needs a JSON output spec (schema= or a json response_format)")
-        objects = PartialObjects(r.spec.python_type)
-        async for delta in self._stream_request(r):
+        objects = PartialStream(s.request)  # raises before the request is added
+        async for delta in s.deltas():
             obj = objects.feed(delta)
             if obj is not None:
                 yield obj
-        yield final_object(self.engine._hand_back(r, prompt, False), r.spec)
+        yield objects.final(s.result())
 
-    async def _stream_request(self, r: Request) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        shown = [0]
-
-        def on_step() -> None:  # stepper thread, core lock held
-            done = r.finished
-            if done:
-                r.detok.flush()
-            text = r.visible_text(final=done)
-            if len(text) > shown[0]:
-                _on_loop(loop, queue.put_nowait, text[shown[0] :])
-                shown[0] = len(text)
-
-        def on_done(error: BaseException | None) -> None:
-            _on_loop(loop, queue.put_nowait, error if error is not None else _END)
-
-        self._stepper.submit(_Watch([r], on_step=on_step, on_done=on_done))
-        try:
-            while True:
-                item = await queue.get()
-                if item is _END:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-            if r.finish_reason == "abort":
-                raise OutputError(f"stream aborted after {r.num_output} tokens: {r.error_type}: {r.error}")
-        finally:
-            if not r.finished:
-                self._stepper.cancel([r])
-
-    async def open_stream(self, prompt: Any, params: SamplingParams | None = None, **spec_kwargs: Any) -> "Stream":
+    async def open_stream(self, prompt: Any, params: SamplingParams | None = None, **spec_kwargs: Any) -> Stream:
         """A stream whose bad input has already raised (a server answers 400 before its first
         byte); iterate ``stream.events()`` for ``(delta, None)`` while it decodes, then
-        ``("", result)``."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"stream takes one prompt and one SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise ValueError(f"stream yields one completion: n must be 1, got {params.n}")
-        chat = not isinstance(prompt, str)
-        call = Call([prompt], params, chat, spec_kwargs, raise_on_error=True, single=True)
-        [group] = await asyncio.to_thread(self._build, call)
-        return Stream(self, group[0], prompt)
+        ``("", result)``. Its request decodes once iterated."""
+        call = Call.stream(prompt, params, spec_kwargs)
+        [entry] = await asyncio.to_thread(self._entries, call)
+        return Stream(self._stepper, self.engine, entry)
 
 
 class Stream:
     """A request opened by ``AsyncEngine.open_stream``, not yet decoding."""
 
-    def __init__(self, owner: AsyncEngine, request: Request, prompt: Any) -> None:
-        self._owner, self.request, self._prompt = owner, request, prompt
+    def __init__(self, stepper: _Stepper, engine: Engine, entry: Entry) -> None:
+        self._stepper, self._engine, self._entry = stepper, engine, entry
+        [self.request] = entry.requests
+
+    def deltas(self) -> AsyncIterator[str]:
+        """The text deltas as the request decodes; a failure midway raises OutputError after its text."""
+        return _text_deltas(self._stepper, self.request)
+
+    def result(self) -> Result:
+        """The Result of the finished request."""
+        return self._engine.result_of(self._entry)
 
     async def events(self) -> AsyncIterator[tuple[str, Result | None]]:
         try:
-            async for delta in self._owner._stream_request(self.request):
+            async for delta in self.deltas():
                 yield delta, None
         except OutputError:
             pass  # the Result says why
-        yield "", self._owner.engine._hand_back(self.request, self._prompt, False)
+        yield "", self.result()
 
 
 _END = object()

@@ -21,7 +21,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .engine.detokenizer import IncrementalDetokenizer, encode, encode_continuation
 from .engine.interrupts import sigint_deferred
@@ -31,13 +31,30 @@ from .result import Result
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from .api import Engine
+    from .cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 
 
+class ChatEngine(Protocol):
+    """What a conversation needs of its engine (``Engine`` is one): declared here so that
+    this module does not import api.py, which imports it."""
+
+    tokenizer: PreTrainedTokenizerBase
+    kv: KVCacheManager
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+    def generate(self, prompts: Any, params: Any = None, **spec_kwargs: Any) -> list[Result]: ...
+
+
 class Conversation:
-    def __init__(self, engine: "Engine", system: str | None = None, params: SamplingParams | None = None) -> None:
+    def __init__(self, engine: ChatEngine, system: str | None = None, params: SamplingParams | None = None) -> None:
         self.engine = engine
         self.params = params or SamplingParams()
         self.history: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
@@ -106,6 +123,20 @@ class Conversation:
             self.token_ids, self.history = ids, history
             self._pin_history()
 
+    def begin_turn(self) -> None:
+        """Take this conversation's turn (send_many, until the turn is committed or failed).
+        A second turn started before the first is committed would be built on the old history
+        and overwrite the first: it is refused (RuntimeError) rather than corrupt the history."""
+        if not self._turn.acquire(blocking=False):
+            raise RuntimeError(
+                "this conversation already has a turn in flight (another thread is "
+                "sending on it); a conversation takes one turn at a time"
+            )
+
+    def end_turn(self) -> None:
+        """Give back the turn ``begin_turn`` took."""
+        self._turn.release()
+
     # ------------------------------------------------------------------ pinning
     def _pin_history(self) -> None:
         """Lock the cached history so eviction cannot take it while the conversation is open
@@ -165,14 +196,8 @@ def send_many(
         raise ValueError("a conversation can take only one turn at a time")
     with ExitStack() as turns:
         for c in conversations:
-            # A second turn started before the first is committed would be built on the
-            # old history and overwrite the first: refuse it rather than corrupt the history.
-            if not c._turn.acquire(blocking=False):
-                raise RuntimeError(
-                    "this conversation already has a turn in flight (another thread is "
-                    "sending on it); a conversation takes one turn at a time"
-                )
-            turns.callback(c._turn.release)
+            c.begin_turn()
+            turns.callback(c.end_turn)
         engine = conversations[0].engine
         ids = [c.next_turn_ids(m) for c, m in zip(conversations, contents)]
         params = params or conversations[0].params

@@ -1,16 +1,16 @@
 """A call's inputs: prompts or message lists, sampling parameters and output specs, turned
-into ``Request`` objects. ``EngineInputs`` is the input side of ``Engine`` (api.py); a bad
-shared spec fails here, before any model work, and a problem of one item fails that item alone.
+into ``Request`` objects. ``RequestBuilder`` is the input side of ``Engine`` (api.py): it turns
+a ``Call`` into one ``Entry`` per item; a bad shared spec fails there, before any model work,
+and a problem of one item fails that item alone (its entry holds an error Result).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .config import EngineConfig
 from .engine.request import GrammarState, Request
 from .errors import GrammarError, PromptTooLongError
 from .output import results as outputs
@@ -80,10 +80,44 @@ class Call:
             items = [given] if single else list(given)
         return cls(items, params, chat, spec_kwargs, raise_on_error, single, progress)
 
+    @classmethod
+    def stream(cls, prompt: Any, params: SamplingParams | None, spec_kwargs: dict[str, Any]) -> Call:
+        """A stream's call (``Engine.stream``, ``AsyncEngine.open_stream``): one prompt (text)
+        or conversation (a message list), one SamplingParams with n=1; its problems raise."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"stream takes one prompt and one SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if params.n != 1:
+            raise ValueError(f"stream yields one completion: n must be 1, got {params.n}")
+        return cls([prompt], params, not isinstance(prompt, str), spec_kwargs, raise_on_error=True, single=True)
+
+
+@dataclass(eq=False)
+class Entry:
+    """One item of a call: its requests (one, or n for SamplingParams(n)), not yet added to
+    the core, or the error Result of an item that never became a request (too long, a bad
+    per-item spec). ``Engine.result_of`` turns a done entry into its Result."""
+
+    index: int
+    item: Any  # the prompt or conversation as given
+    requests: list[Request] = field(default_factory=list)
+    error: Result | None = None
+
+    @property
+    def done(self) -> bool:
+        """Its Result can be handed back: an error, or all its requests finished."""
+        return self.error is not None or all(r.finished for r in self.requests)
+
+    @property
+    def weight(self) -> int:
+        """What it counts against generate_iter's max_in_flight: its number of requests (1 for an error)."""
+        return max(1, len(self.requests))
+
 
 @dataclass(frozen=True)
 class _CallPlan:
-    """What the items of one generate/chat call share (see Engine._plan)."""
+    """What the items of one generate/chat call share (see RequestBuilder._plan)."""
 
     params_at: Callable[[int], SamplingParams]
     backend: str | None
@@ -93,15 +127,28 @@ class _CallPlan:
     chat: bool
 
 
-class EngineInputs:
-    """The input side of ``Engine``: what it needs of the engine is declared here."""
+class RequestBuilder:
+    """The input side of ``Engine``: prompts, message lists, sampling parameters and output
+    specs -> ``Request`` objects (seeded from its own random source, compiled through the
+    engine's GrammarManager, made on first use by ``grammar``)."""
 
-    config: EngineConfig
-    tokenizer: PreTrainedTokenizerBase
-    max_model_len: int
-    _rng: random.Random
-    grammar: GrammarManager  # Engine's properties
-    vocab_size: int
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        max_model_len: int,
+        grammar: Callable[[], GrammarManager],
+        seed: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._grammar = grammar
+        self._rng = random.Random(seed)
+
+    @property
+    def grammar(self) -> GrammarManager:
+        return self._grammar()
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -148,7 +195,7 @@ class EngineInputs:
             out.append(d)
         return out, True
 
-    def _new_request(
+    def new_request(
         self,
         ids: list[int],
         params: SamplingParams,
@@ -189,6 +236,13 @@ class EngineInputs:
             raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
         return backend, spec_args
 
+    def entries(self, call: Call) -> Iterator[Entry]:
+        """One Entry per item of ``call``, built as they are read (generate_iter's items may
+        be an endless iterator). What the items share is checked first, here at the call: a
+        bad shared spec, bad params or keywords raise before any model work."""
+        plan = self._plan(call)
+        return (self._entry(call, plan, i, item) for i, item in enumerate(call.items))
+
     def _plan(self, call: Call) -> _CallPlan:
         """What every item of one call shares: its params, its spec(s), the grammar backend.
         A bad shared spec raises here, before any model work."""
@@ -220,17 +274,17 @@ class EngineInputs:
         spec = self.make_spec(**plan.per_item_specs[i]) if plan.per_prompt else plan.shared_spec
         ids = self.encode_chat(item) if plan.chat else self._encode_raw(item)
         p = plan.params_at(i)
-        return [self._new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
+        return [self.new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
 
-    def _requests_or_error(self, call: Call, plan: _CallPlan, i: int, item: Any) -> list[Request] | Result:
-        """``_requests_for``, or an error Result for a problem of item i alone (raised instead
+    def _entry(self, call: Call, plan: _CallPlan, i: int, item: Any) -> Entry:
+        """Item i's requests, or an error Result for a problem of item i alone (raised instead
         for a bare prompt, or with raise_on_error)."""
         try:
-            return self._requests_for(plan, i, item)
+            return Entry(i, item, self._requests_for(plan, i, item))
         except (ValueError, TypeError) as e:
             if call.single or call.raise_on_error:
                 raise
-            return outputs.error_result(i, e, item)
+            return Entry(i, item, error=outputs.error_result(i, e, item))
 
     @staticmethod
     def _params_per_item(items: Iterable[Any], params: ParamsArg) -> Callable[[int], SamplingParams]:

@@ -1,89 +1,98 @@
-"""Streaming one request: ``Engine.stream`` yields text deltas as tokens are decoded (or,
-with ``partial=True``, partial objects of the schema as fields complete), stepping the
-engine itself; other callers' requests share those steps."""
+"""Streaming one request, the parts ``Engine.stream`` and ``AsyncEngine.stream`` share: the
+text a request shows since it was last read (``TextDeltas``), the error of a stream that
+failed midway (``check_not_aborted``), and the partial objects of a JSON output
+(``PartialStream``). ``stream_text`` is the sync stream: it steps the engine itself through
+the driver; other callers' requests share those steps."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .engine.request import Request
 from .errors import OutputError
-from .inputs import Messages
-from .params import SamplingParams
+from .output.partial import PartialObjects, final_object
 
 if TYPE_CHECKING:
-    from .engine.core import EngineCore
+    from .engine.driver import Driver
+    from .result import Result
+
+__all__ = ["PartialStream", "TextDeltas", "check_not_aborted", "stream_partial", "stream_text"]
 
 
-class EngineStreaming:
-    """The streaming side of ``Engine``: what it needs of the engine is declared here."""
+class TextDeltas:
+    """The text of one request as it decodes, in pieces not shown before. Read it under the
+    core lock (a step may be changing the request): ``take`` once after each step."""
 
-    core: EngineCore
-    _core_lock: threading.RLock
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.shown = 0  # characters of the output text already handed out
 
-    def stream(
-        self, prompt: str | Messages, params: SamplingParams | None = None, *, partial: bool = False, **spec_kwargs: Any
-    ) -> Iterator[Any]:
-        """An iterator of text deltas as they are decoded (constrained or not). Bad input
-        raises here, at the call; decoding starts at the first ``next()``. A request that fails
-        midway (``finish_reason == "abort"``: a grammar dead end, no KV room) raises
-        OutputError after the text it produced; truncation and stops end the stream quietly.
+    def take(self) -> tuple[str, bool]:
+        """(the text not shown yet, whether the request has finished). What this read saw: a
+        step run by another caller may have finished the request, and its last text must
+        still be shown."""
+        r = self.request
+        done = r.finished
+        if done:
+            r.detok.flush()
+        text = r.visible_text(final=done)
+        delta = text[self.shown :]
+        self.shown = max(self.shown, len(text))
+        return delta, done
 
-        ``partial=True`` (a JSON spec): partial objects instead of text, one each time another
-        top-level field is complete, then the validated object (see partial.py); an output
-        that does not complete or validate raises OutputError at the end."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"stream takes one prompt and one SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if params.n != 1:
-            raise ValueError(f"stream yields one completion: n must be 1, got {params.n}")
-        backend, spec_args = self._spec_args(spec_kwargs)
-        spec = self.make_spec(**spec_args)
-        if spec is not None:
-            self.grammar.compile(spec, backend, params.compile_timeout_s)
-        ids = self.encode_prompt(prompt) if isinstance(prompt, str) else self.encode_chat(prompt)
-        if partial and (spec is None or not spec.is_json):
+
+def check_not_aborted(r: Request) -> None:
+    """A finished stream that failed (``finish_reason == "abort"``: a grammar dead end, no KV
+    room) raises OutputError after its text; truncation and stops end it quietly."""
+    if r.finish_reason == "abort":
+        raise OutputError(f"stream aborted after {r.num_output} tokens: {r.error_type}: {r.error}")
+
+
+class PartialStream:
+    """``partial=True``: a JSON stream's text deltas -> partial objects, one each time another
+    top-level field is complete, then the validated object (see output/partial.py). Made
+    before decoding: a request without a JSON spec raises ValueError here."""
+
+    def __init__(self, request: Request) -> None:
+        spec = request.spec
+        if spec is None or not spec.is_json:
             raise ValueError("partial=True needs a JSON output spec (schema= or a json response_format)")
-        r = self._new_request(ids, params, spec, 0, backend)
-        return self._partial(r, prompt) if partial else self._stream(r)
+        self.spec = spec
+        self.objects = PartialObjects(spec.python_type)
 
-    def _partial(self, r: Request, prompt: Any) -> Iterator[Any]:
-        from .output.partial import PartialObjects, final_object
+    def feed(self, delta: str) -> Any | None:
+        """A new partial object when this delta completed another field, else None."""
+        return self.objects.feed(delta)
 
-        objects = PartialObjects(r.spec.python_type)
-        for delta in self._stream(r):
-            obj = objects.feed(delta)
-            if obj is not None:
-                yield obj
-        yield final_object(self._hand_back(r, prompt, False), r.spec)
+    def final(self, result: Result) -> Any:
+        """The last object: the validated one; OutputError if the output is not a complete valid one."""
+        return final_object(result, self.spec)
 
-    def _stream(self, r: Request) -> Iterator[str]:
-        with self._core_lock:
-            self.core.add(r)
-        shown = 0  # characters of the output text already yielded
-        try:
-            while True:
-                with self._core_lock:  # another thread may be stepping: read the text here
-                    if not r.finished:
-                        self._step_for(r)
-                    # What this pass saw: a step run by another call while this generator
-                    # waits at its yield may finish r, and its last text must still be shown.
-                    done = r.finished
-                    if done:
-                        r.detok.flush()
-                    text = r.visible_text(final=done)
-                if len(text) > shown:
-                    yield text[shown:]
-                    shown = len(text)
-                if done:
-                    if r.finish_reason == "abort":  # failed (a grammar dead end, no room): say so
-                        raise OutputError(f"stream aborted after {r.num_output} tokens: {r.error_type}: {r.error}")
-                    return
-        finally:
-            with self._core_lock:
-                if not r.finished:
-                    self.core.abort(r)
-                self.core.drain_finished()
+
+def stream_text(driver: Driver, r: Request) -> Iterator[str]:
+    """r's text deltas as it decodes (r not added yet: the first ``next()`` adds it), stepping
+    the engine through ``driver``. Stopping early (or an error) aborts r."""
+    driver.add([r])
+    deltas = TextDeltas(r)
+    try:
+        while True:
+            with driver.lock:  # another thread may be stepping: read the text here
+                driver.step_for([r])
+                delta, done = deltas.take()
+            if delta:
+                yield delta
+            if done:
+                check_not_aborted(r)
+                return
+    finally:
+        driver.abort([r])
+
+
+def stream_partial(deltas: Iterator[str], partial: PartialStream, result: Callable[[], Result]) -> Iterator[Any]:
+    """The sync partial stream over ``deltas``; ``result()`` is the finished request's Result."""
+    for delta in deltas:
+        obj = partial.feed(delta)
+        if obj is not None:
+            yield obj
+    yield partial.final(result())

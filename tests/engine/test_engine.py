@@ -224,11 +224,11 @@ def test_a_page_completed_by_decoding_is_shared_at_once(tiny_engine_factory):
     [alone] = ref.generate([second], SamplingParams(max_tokens=3, ignore_eos=True))
     eng = tiny_engine_factory(page_size=4)
     eng.core.check_each_step = True
-    ra = eng._new_request(first, SamplingParams(max_tokens=60, ignore_eos=True), None, 0, None)
+    ra = eng.inputs.new_request(first, SamplingParams(max_tokens=60, ignore_eos=True), None, 0, None)
     eng.core.add(ra)
     for _ in range(7):  # prefill, then 6 decoded tokens
         eng.core.step()
-    rb = eng._new_request(second, SamplingParams(max_tokens=3, ignore_eos=True), None, 1, None)
+    rb = eng.inputs.new_request(second, SamplingParams(max_tokens=3, ignore_eos=True), None, 1, None)
     eng.core.add(rb)
     steps = 0
     while not rb.finished:

@@ -19,7 +19,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +28,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..errors import GrammarError, PromptTooLongError
 from ..result import Result
 from . import protocol as P
+
+if TYPE_CHECKING:
+    from ..async_engine import AsyncEngine, Stream
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +62,14 @@ def _failure(results: list[Result]) -> JSONResponse | None:
     )
 
 
-def build_app(engine: Any, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
     """The FastAPI app over ``engine`` (an AsyncEngine). ``api_key`` (or the environment
     variable CONSTRAINED_SERVE_API_KEY): every request must carry ``Authorization: Bearer
     <key>``, else 401."""
     app = FastAPI(title="constrained-serve", version="0.1.0")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    name = model_name or str(getattr(engine.engine, "model_path", "default"))
-    tokenizer = engine.engine.tokenizer
+    name = model_name or engine.model_path or "default"
+    tokenizer = engine.tokenizer
     started = int(time.time())
 
     @app.middleware("http")
@@ -154,7 +157,7 @@ def _include_usage(req: Any) -> bool:
     return bool((req.stream_options or {}).get("include_usage"))
 
 
-def _streamed(kind: str, stream: Any, model: str, include_usage: bool) -> StreamingResponse:
+def _streamed(kind: str, stream: Stream, model: str, include_usage: bool) -> StreamingResponse:
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
 
