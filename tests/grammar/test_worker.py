@@ -194,7 +194,7 @@ def test_inline_isolation_runs_the_same_code_in_process(tokenizer):
 def test_a_worker_killed_from_outside_is_restarted_and_its_matchers_rebuilt(mgr, tokenizer):
     h = mgr.new_matcher(mgr.compile(make_output_spec(regex="[a-z]+-[0-9]+")))
     assert h.accept_tokens(encode(tokenizer, "abc-"))
-    pid = mgr._maskers["llguidance"][0].pid
+    pid = mgr.workers.maskers_for("llguidance")[0].pid
     os.kill(pid, 9)
     time.sleep(0.2)
     assert h.accept_tokens(encode(tokenizer, "12")) and h.can_end()  # rebuilt: "abc-" replayed
