@@ -11,7 +11,7 @@ Protocol, over a Unix socket pair (``multiprocessing.connection.Connection`` fra
 ``("init", backend, TokenizerData, options, rows)`` -> ``("ready", pid)``, then
 ``(seq, items)`` -> ``(results, log records)`` for ever (items and results: ``host.py``). Before
 each item the worker stamps ``(seq, item index, start time)`` into a small shared page, so
-``WorkerClient.collect`` can tell which item overran and by how much. Mask workers also map
+``collect_all`` can tell which item overran and by how much. Mask workers also map
 the engine's bitmask (``SharedBitmask``) and write mask rows straight into it.
 
 What it costs (``benchmarks/masks.py``): one round trip per batch of items, about
