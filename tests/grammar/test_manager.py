@@ -524,13 +524,13 @@ def test_a_fill_of_prefilled_rows_waits_for_the_prefill_only_in_wait(manager, ba
     manager.prefill_masks([a, b])
     bm = manager.step_bitmask(2)
     pending = manager.fill_bitmask_async([(0, b), (1, a)], bm)
-    assert manager._prefill is not None  # not collected yet: the forward runs meanwhile
+    assert manager.masks.prefill_in_flight  # not collected yet: the forward runs meanwhile
     assert pending.wait() == []
-    assert manager._prefill is None
+    assert not manager.masks.prefill_in_flight
     assert torch.equal(bm, expected[[1, 0]])
 
     c = manager.new_matcher(compiled)  # never prefilled
     manager.prefill_masks([a])
     pending = manager.fill_bitmask_async([(0, a), (1, c)], manager.step_bitmask(2))
-    assert manager._prefill is None
+    assert not manager.masks.prefill_in_flight
     pending.wait()

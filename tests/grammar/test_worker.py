@@ -194,7 +194,7 @@ def test_inline_isolation_runs_the_same_code_in_process(tokenizer):
 def test_a_worker_killed_from_outside_is_restarted_and_its_matchers_rebuilt(mgr, tokenizer):
     h = mgr.new_matcher(mgr.compile(make_output_spec(regex="[a-z]+-[0-9]+")))
     assert h.accept_tokens(encode(tokenizer, "abc-"))
-    pid = mgr._maskers["llguidance"][0].pid
+    pid = mgr.workers.maskers_for("llguidance")[0].pid
     os.kill(pid, 9)
     time.sleep(0.2)
     assert h.accept_tokens(encode(tokenizer, "12")) and h.can_end()  # rebuilt: "abc-" replayed
@@ -215,13 +215,11 @@ def test_a_worker_killed_from_outside_is_restarted_and_its_matchers_rebuilt(mgr,
 def test_an_item_overruns_when_both_its_wall_and_cpu_time_pass_the_deadline(wall, cpu, killed):
     from constrained_serve.grammar import worker
 
-    client = worker.WorkerClient.__new__(worker.WorkerClient)
-    client.reply_timeout_s = 60.0
-    client._sent = (7, [1.0], 100.0)
-    client._progress_now = lambda: (7, 0, 100.0, 5.0)  # seq 7, item 0 started at t=100, CPU 5 s
-    client._cpu_seconds = lambda: 5.0 + cpu
-    left, index = client._time_left(100.0 + wall)
-    assert index == 0
+    # batch 7 sent at t=100 with one item (deadline 1 s); item 0 started at t=100, CPU 5 s
+    left, index, elapsed = worker.batch_time_left(
+        100.0 + wall, (7, [1.0], 100.0), (7, 0, 100.0, 5.0), lambda: 5.0 + cpu, reply_timeout_s=60.0
+    )
+    assert index == 0 and elapsed == pytest.approx((wall, cpu))
     assert (left <= 0) == killed, left
 
 
@@ -281,3 +279,16 @@ def test_bitmask_pinning_is_refused_cleanly_without_cuda():
         assert bm.array.tolist() == [[-1, -1, -1], [7, 7, 7]]
     finally:
         bm.close()
+
+
+def test_an_unknown_op_fails_its_item_alone_with_a_clear_error():
+    """The worker runs only the ops of its table: another name (a private method's included)
+    is that item's error, and the other items still run."""
+    from constrained_serve.grammar.host import OPS, MatcherHost
+
+    host = MatcherHost(backend=None)
+    out = host.run([("bogus", 1), ("_why_rejected", None), ("drop", 5)])
+    assert [ok for ok, _ in out] == [False, False, True]
+    for _, (etype, message, _reason) in out[:2]:
+        assert etype == "ValueError" and "unknown grammar worker op" in message
+    assert "dead_end" in OPS and "why_rejected" not in " ".join(OPS)

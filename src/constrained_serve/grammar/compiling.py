@@ -2,21 +2,24 @@
 workers under ``compile_timeout_s``, the LRU cache of compiled grammars (one in-flight
 compile per spec, shared), refusing at once a spec shaped like one whose compile overran
 (``spec_shape``), evicting a grammar a matcher failed on, and checking finished outputs
-(``matches``). ``GrammarCompiling`` is a part of ``GrammarManager``, which holds its state.
+(``matches``). ``CompileService`` holds that state; the workers are the ``WorkerPool``'s.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
+import itertools
 import json
 import logging
 import re
+import threading
 from typing import Any
 
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .base import CompiledGrammar
-from .matchers import portable
+from .pool import WorkerPool, portable
 from .worker import WorkerFailure
 
 logger = logging.getLogger("constrained_serve.grammar.manager")
@@ -68,48 +71,43 @@ def _fold_patterns(schema: Any) -> Any:
     return schema
 
 
-class GrammarCompiling:
-    """Compiling and caching grammars; a part of ``GrammarManager``."""
+def cache_key(spec: OutputSpec, backend: str) -> CacheKey:
+    return (backend, spec.kind, spec.text, spec.whitespace, spec.strict)
 
-    def _checkout_compiler(self, name: str, start: bool = False) -> Any:
-        with self._idle:
-            while True:
-                idle = self._idle_compilers.setdefault(name, [])
-                if idle:
-                    client = idle.pop()
-                    break
-                clients = self._compilers.setdefault(name, [])
-                if len(clients) < self._max_compilers:
-                    client = self._client(name, f"{name} compile #{len(clients)}", None)
-                    clients.append(client)
-                    break
-                self._idle.wait()
-        if start:
-            try:
-                client.start()
-            except BaseException:
-                self._release_compiler(name, client)
-                raise
-        return client
 
-    def _release_compiler(self, name: str, client: Any) -> None:
-        with self._idle:
-            self._idle_compilers[name].append(client)
-            self._idle.notify()
+class CompileService:
+    """Compiling and caching grammars, in the pool's compile workers, on its own threads."""
 
-    def _loaded_in(self, client: Any) -> set[int]:
-        """The gids ``client`` holds in its current epoch (a restart empties it)."""
-        epoch, gids = self._loaded.get(client, (-1, set()))
-        if epoch != client.epoch:
-            gids = set()
-            self._loaded[client] = (client.epoch, gids)
-        return gids
+    def __init__(
+        self,
+        workers: WorkerPool,
+        default_backend: str,
+        cache_size: int,
+        compile_timeout_s: float,
+        stats: dict[str, int],
+    ):
+        self._workers = workers
+        self.default_backend = default_backend
+        self.cache_size = cache_size
+        self.compile_timeout_s = compile_timeout_s
+        self._stats = stats  # the manager's counters: hits, misses, compiles, timeouts, ...
+        self._lock = threading.RLock()  # the cache, the in-flight compiles, the timed-out shapes
+        self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
+        self._pending: dict[CacheKey, cf.Future] = {}  # one in-flight compile per key, shared
+        # Shapes of specs whose compile overran: (timeout it overran, the refusal's message).
+        self._timed_out: collections.OrderedDict[tuple, tuple[float, str]] = collections.OrderedDict()
+        self._gids = itertools.count(1)
+        self._pool = cf.ThreadPoolExecutor(workers.max_compilers, thread_name_prefix="grammar-compile")
+
+    def warm_up(self, name: str) -> cf.Future:
+        """Start the backend's workers on a compile thread (a first request then finds them up)."""
+        return self._pool.submit(self._workers.start_backend, name)
+
+    def shutdown(self) -> None:
+        """No more compiles: the queued ones are cancelled, the running ones left to end."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- compile -------------------------------------------------------------------------
-    @staticmethod
-    def cache_key(spec: OutputSpec, backend: str) -> CacheKey:
-        return (backend, spec.kind, spec.text, spec.whitespace, spec.strict)
-
     def compile_async(self, spec: OutputSpec, backend: str | None = None, timeout_s: float | None = None) -> cf.Future:
         """A future of the ``CompiledGrammar``; ``.result()`` raises GrammarError on failure.
         ``timeout_s``: this compile's deadline (None: ``compile_timeout_s``)."""
@@ -122,28 +120,28 @@ class GrammarCompiling:
             )
             return fut
         timeout = float(timeout_s or self.compile_timeout_s)
-        key = self.cache_key(spec, name)
+        key = cache_key(spec, name)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                self.stats["hits"] += 1
+                self._stats["hits"] += 1
                 fut = cf.Future()
                 fut.set_result(hit)
                 return fut
             pending = self._pending.get(key)
             if pending is not None:  # in flight: share it
-                self.stats["hits"] += 1
+                self._stats["hits"] += 1
                 return pending
             shape = spec_shape(spec, name)
             seen = self._timed_out.get(shape)
             if seen is not None and timeout <= seen[0]:
                 self._timed_out.move_to_end(shape)
-                self.stats["timeout_refusals"] += 1
+                self._stats["timeout_refusals"] += 1
                 fut = cf.Future()
                 fut.set_exception(GrammarError(seen[1], backend=name, reason="timeout"))
                 return fut
-            self.stats["misses"] += 1
+            self._stats["misses"] += 1
             fut = self._pool.submit(self._compile_job, spec, name, key, timeout)
             self._pending[key] = fut
         return fut
@@ -154,11 +152,11 @@ class GrammarCompiling:
     def _compile_job(self, spec: OutputSpec, name: str, key: CacheKey, timeout: float) -> CompiledGrammar:
         try:
             gid = next(self._gids)
-            client = self._checkout_compiler(name)
+            client = self._workers.checkout_compiler(name)
             try:
                 [(ok, value)] = client.call([("compile", gid, portable(spec))], [timeout])
                 if ok:
-                    self._loaded_in(client).add(gid)
+                    self._workers.loaded_in(client).add(gid)
             except WorkerFailure as e:
                 if not e.overrun:
                     raise GrammarError(
@@ -168,7 +166,7 @@ class GrammarCompiling:
                     ) from None
                 raise self._timed_out_error(spec, name, timeout, e.elapsed) from None
             finally:
-                self._release_compiler(name, client)
+                self._workers.release_compiler(name, client)
             if not ok:
                 etype, message, reason = value
                 if etype == "GrammarError":
@@ -200,7 +198,7 @@ class GrammarCompiling:
             f"unless compile_timeout_s is raised"
         )
         with self._lock:
-            self.stats["timeouts"] += 1
+            self._stats["timeouts"] += 1
             shape = spec_shape(spec, name)
             self._timed_out[shape] = (timeout, message)
             self._timed_out.move_to_end(shape)
@@ -211,49 +209,35 @@ class GrammarCompiling:
 
     def _cache_put(self, key: CacheKey, compiled: CompiledGrammar) -> None:
         """Cache a finished compile, least recently used out first (caller holds the lock)."""
-        self.stats["compiles"] += 1
+        self._stats["compiles"] += 1
         self._cache[key] = compiled
         self._cache.move_to_end(key)
         while len(self._cache) > self.cache_size:
-            self._retire(self._cache.popitem(last=False)[1].gid)
+            self._workers.retire(self._cache.popitem(last=False)[1].gid)
 
     def evict(self, compiled: CompiledGrammar) -> None:
         """Drop ``compiled`` from the cache: the next request with its spec compiles afresh."""
         with self._lock:
-            key = self.cache_key(compiled.spec, compiled.backend)
+            key = cache_key(compiled.spec, compiled.backend)
             if self._cache.get(key) is compiled:
                 del self._cache[key]
-                self.stats["evictions"] += 1
+                self._stats["evictions"] += 1
                 logger.warning(
                     "%s grammar of a %s spec evicted after a matcher failure: the next request with it compiles afresh",
                     compiled.backend,
                     compiled.spec.kind,
                 )
-            self._retire(compiled.gid)
-
-    def _retire(self, gid: int) -> None:
-        """``gid`` leaves the workers once no matcher uses it."""
-        with self._lock:
-            self._retired.add(gid)
-            if self._live_per_gid[gid] == 0:
-                self._unload(gid)
-
-    def _unload(self, gid: int) -> None:
-        for client, (epoch, gids) in list(self._loaded.items()):
-            if gid in gids and epoch == client.epoch:
-                gids.discard(gid)
-                self._queued[client].append(("unload", gid))
-        self._retired.discard(gid)
+            self._workers.retire(compiled.gid)
 
     def matches(self, compiled: CompiledGrammar, text: str) -> bool:
         """``text`` is a complete match of the compiled grammar (checked in a compile worker;
         GrammarError if that overruns ``compile_timeout_s``)."""
         name = compiled.backend
-        client = self._checkout_compiler(name)
+        client = self._workers.checkout_compiler(name)
         try:
             items = (
                 []
-                if compiled.gid in self._loaded_in(client)
+                if compiled.gid in self._workers.loaded_in(client)
                 else [("load", compiled.gid, compiled.payload, portable(compiled.spec))]
             )
             items.append(("matches", compiled.gid, text))
@@ -266,15 +250,13 @@ class GrammarCompiling:
                     reason="worker failure",
                 ) from None
             if len(items) == 2 and outcome[0][0]:
-                self._loaded_in(client).add(compiled.gid)
+                self._workers.loaded_in(client).add(compiled.gid)
             ok, value = outcome[-1]
             if not ok:  # the worker dropped its copy (a broken one): the next check rebuilds it
-                self._loaded_in(client).discard(compiled.gid)
+                self._workers.loaded_in(client).discard(compiled.gid)
                 raise GrammarError(
                     f"{name}: checking a finished output failed: {value[1]}", backend=name, reason=value[1]
                 )
             return bool(value)
         finally:
-            self._release_compiler(name, client)
-
-    # -- matchers ------------------------------------------------------------------------
+            self._workers.release_compiler(name, client)

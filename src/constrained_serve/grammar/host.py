@@ -40,13 +40,30 @@ from .tokenizer_data import TokenizerData
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADVANCE_FIELDS", "FaultPlan", "InlineClient", "MatcherHost", "make_backend"]
+__all__ = ["ADVANCE_FIELDS", "OPS", "FaultPlan", "InlineClient", "MatcherHost", "make_backend"]
 
 Outcome = tuple[bool, Any]
 
 # The fields of an ``advance`` result, in order (a plain tuple crosses the process boundary
 # cheapest; the manager reads it as manager.Advance).
 ADVANCE_FIELDS = ("accepted", "error", "dead_end", "finished_first", "can_end_first", "forced", "finished", "can_end")
+
+# Every op a ``MatcherHost`` runs (see the module docstring); an item naming another one fails.
+OPS = (
+    "compile",
+    "load",
+    "unload",
+    "matches",
+    "new",
+    "drop",
+    "advance",
+    "fill",
+    "accept",
+    "rollback",
+    "forced",
+    "state",
+    "dead_end",
+)
 
 
 def make_backend(name: str, tokenizer: TokenizerData, **options: Any) -> GrammarBackend:
@@ -100,6 +117,23 @@ class MatcherHost:
         self._faults = faults
         # The process id too: a restarted worker must not replay the faults that killed the last one.
         self._rng = random.Random(f"{faults.seed if faults else 0}-{os.getpid()}")
+        # The ops a batch may name (the module docstring's list), and nothing else.
+        self._ops: dict[str, Callable[..., Any]] = {
+            "compile": self._compile,
+            "load": self._load,
+            "unload": self._unload,
+            "matches": self._matches,
+            "new": self._new,
+            "drop": self._drop,
+            "advance": self._advance,
+            "fill": self._fill,
+            "accept": self._accept,
+            "rollback": self._rollback,
+            "forced": self._forced,
+            "state": self._state,
+            "dead_end": self._dead_end,
+        }
+        assert tuple(self._ops) == OPS
 
     def run(self, items: Sequence[tuple], progress: Callable[[int], None] | None = None) -> list[Outcome]:
         out: list[Outcome] = []
@@ -107,10 +141,16 @@ class MatcherHost:
             if progress is not None:
                 progress(i)
             try:
-                out.append((True, getattr(self, "_" + item[0])(*item[1:])))
+                out.append((True, self._op(item[0])(*item[1:])))
             except Exception as e:  # noqa: BLE001 - one item's failure is that item's result
                 out.append((False, (type(e).__name__, str(e) or repr(e), getattr(e, "reason", None))))
         return out
+
+    def _op(self, name: str) -> Callable[..., Any]:
+        op = self._ops.get(name)
+        if op is None:
+            raise ValueError(f"unknown grammar worker op {name!r}; expected one of {', '.join(OPS)}")
+        return op
 
     # -- grammars ------------------------------------------------------------------------
     def _compile(self, gid: int, spec: OutputSpec) -> tuple[str, list[str], float]:

@@ -51,7 +51,7 @@ class TokenizerData:
         """A copy carrying xgrammar's view of the vocabulary (imports xgrammar here)."""
         if self.xgrammar_info is not None:
             return self
-        from .xgrammar import tokenizer_info
+        from .xgrammar_vocab import tokenizer_info
 
         info = tokenizer_info(tokenizer, self.vocab_size, list(self.eos_token_ids), set(self.special_ids))
         return replace(self, xgrammar_info=info.serialize_json())

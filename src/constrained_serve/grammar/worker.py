@@ -11,7 +11,7 @@ Protocol, over a Unix socket pair (``multiprocessing.connection.Connection`` fra
 ``("init", backend, TokenizerData, options, rows)`` -> ``("ready", pid)``, then
 ``(seq, items)`` -> ``(results, log records)`` for ever (items and results: ``host.py``). Before
 each item the worker stamps ``(seq, item index, start time)`` into a small shared page, so
-``WorkerClient.collect`` can tell which item overran and by how much. Mask workers also map
+``collect_all`` can tell which item overran and by how much. Mask workers also map
 the engine's bitmask (``SharedBitmask``) and write mask rows straight into it.
 
 What it costs (``benchmarks/masks.py``): one round trip per batch of items, about
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from .shared_memory import PAGE, ProgressCell, SharedBitmask, shared_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProgressCell", "SharedBitmask", "WorkerClient", "WorkerFailure", "collect_all"]
+__all__ = ["ProgressCell", "SharedBitmask", "WorkerClient", "WorkerFailure", "batch_time_left", "collect_all"]
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # An item that blocks without spinning (no CPU time) is still cut: at this many times its
@@ -257,9 +257,6 @@ class WorkerClient:
             raise out
         return out
 
-    def _progress_now(self) -> tuple[int, int, float, float]:
-        return self._progress.read()
-
     def _cpu_seconds(self) -> float | None:
         """The worker's CPU time so far (Linux: /proc), None where unknown."""
         try:
@@ -269,37 +266,32 @@ class WorkerClient:
         except (OSError, IndexError, ValueError, AttributeError):
             return None
 
-    def _time_left(self, now: float) -> tuple[float, int]:
-        """Seconds before this batch overruns, and the item that would overrun.
+    # -- collecting (collect_all) --------------------------------------------------------
+    @property
+    def connection(self) -> Connection | None:
+        """What ``multiprocessing.connection.wait`` waits on for the reply (None: not running)."""
+        return self._conn
 
-        An item has run for the smaller of its wall time and the worker's CPU time since it
-        started (where /proc tells): a busy machine, or a paused VM, does not kill work that
-        merely waited for a core (its CPU time stands still), and a backend that compiles on
-        several threads is not killed for using two cores at once (its wall time is the
-        smaller). A runaway spins, so both grow. Wall time alone still bounds an item that
-        blocks without spinning: WALL_FACTOR times its deadline, plus WALL_SLACK_S."""
-        seq, deadlines, sent_at = self._sent
-        got_seq, index, started, cpu_started = self._progress_now()
-        if got_seq != seq or index < 0:  # still reading the batch: look again soon, to see item 0 start
-            return min(sent_at + self.reply_timeout_s - now, 0.005), -1
-        if index >= len(deadlines):  # all done, the reply is on its way
-            return started + self.reply_timeout_s - now, -1
-        limit = deadlines[index]
-        wall = now - started
-        cap_left = WALL_FACTOR * limit + WALL_SLACK_S - wall
-        cpu = self._cpu_seconds()
-        self._last_elapsed = (wall, None if cpu is None else cpu - cpu_started)
-        if cpu is None:
-            return limit - wall, index
-        # /proc counts in ticks (10 ms): a tick of slack so an item is not cut a tick early
-        cpu_left = limit - (cpu - cpu_started) + 1.0 / _CLOCK_TICKS
-        return min(max(cpu_left, limit - wall), cap_left), index
+    def has_reply(self) -> bool:
+        """A reply (or the end of the connection) is there to read now."""
+        return self._conn is not None and self._conn.poll(0)
 
-    def _receive(self) -> list[tuple[bool, Any]]:
+    def time_left(self, now: float) -> tuple[float, int]:
+        """Seconds before the batch in flight overruns, and the item that would overrun
+        (``batch_time_left``)."""
+        left, index, elapsed = batch_time_left(
+            now, self._sent, self._progress.read(), self._cpu_seconds, self.reply_timeout_s
+        )
+        if elapsed is not None:
+            self._last_elapsed = elapsed
+        return left, index
+
+    def receive(self) -> list[tuple[bool, Any]]:
+        """The batch's results (their reply is ready); WorkerFailure if the worker died."""
         try:
             results, records = self._conn.recv()
         except (EOFError, OSError) as e:
-            index = self._progress_now()[1]
+            index = self._progress.read()[1]
             self.kill()
             raise WorkerFailure(f"the {self.label} grammar worker died ({e})", index=index) from e
         self._sent = None
@@ -307,7 +299,8 @@ class WorkerClient:
             logging.getLogger(r[0]).log(r[1], "grammar worker: %s", r[2])
         return results
 
-    def _overrun(self, index: int) -> WorkerFailure:
+    def overrun(self, index: int) -> WorkerFailure:
+        """Kill the worker, whose item ``index`` overran its deadline; the failure that says so."""
         seq, deadlines, _ = self._sent
         limit = deadlines[index] if 0 <= index < len(deadlines) else self.reply_timeout_s
         self.kill()
@@ -320,6 +313,42 @@ class WorkerClient:
             overrun=True,
             elapsed=(wall, cpu),
         )
+
+
+def batch_time_left(
+    now: float,
+    sent: tuple[int, Sequence[float], float],
+    progress: tuple[int, int, float, float],
+    cpu_seconds: Callable[[], float | None],
+    reply_timeout_s: float,
+) -> tuple[float, int, tuple[float, float | None] | None]:
+    """Seconds before a batch overruns, the item that would overrun, and (wall, CPU seconds)
+    that item ran (None where no item is running). ``sent``: (seq, deadlines, send time) of
+    the batch; ``progress``: the worker's page (seq, item index, its start wall and CPU time);
+    ``cpu_seconds()``: the worker's CPU time now, None where unknown.
+
+    An item has run for the smaller of its wall time and the worker's CPU time since it
+    started (where /proc tells): a busy machine, or a paused VM, does not kill work that
+    merely waited for a core (its CPU time stands still), and a backend that compiles on
+    several threads is not killed for using two cores at once (its wall time is the
+    smaller). A runaway spins, so both grow. Wall time alone still bounds an item that
+    blocks without spinning: WALL_FACTOR times its deadline, plus WALL_SLACK_S."""
+    seq, deadlines, sent_at = sent
+    got_seq, index, started, cpu_started = progress
+    if got_seq != seq or index < 0:  # still reading the batch: look again soon, to see item 0 start
+        return min(sent_at + reply_timeout_s - now, 0.005), -1, None
+    if index >= len(deadlines):  # all done, the reply is on its way
+        return started + reply_timeout_s - now, -1, None
+    limit = deadlines[index]
+    wall = now - started
+    cap_left = WALL_FACTOR * limit + WALL_SLACK_S - wall
+    cpu = cpu_seconds()
+    elapsed = (wall, None if cpu is None else cpu - cpu_started)
+    if cpu is None:
+        return limit - wall, index, elapsed
+    # /proc counts in ticks (10 ms): a tick of slack so an item is not cut a tick early
+    cpu_left = limit - (cpu - cpu_started) + 1.0 / _CLOCK_TICKS
+    return min(max(cpu_left, limit - wall), cap_left), index, elapsed
 
 
 def collect_all(clients: Sequence[WorkerClient]) -> list[list[tuple[bool, Any]] | WorkerFailure]:
@@ -335,23 +364,23 @@ def collect_all(clients: Sequence[WorkerClient]) -> list[list[tuple[bool, Any]] 
             for i, c in enumerate(clients):
                 if i in out:
                     continue
-                left, index = c._time_left(now)
+                left, index = c.time_left(now)
                 if left <= 0:
-                    out[i] = c._overrun(index)
+                    out[i] = c.overrun(index)
                     continue
-                if not c.alive and not c._conn.poll(0):
+                if not c.alive and not c.has_reply():
                     c.kill()
                     out[i] = WorkerFailure(f"the {c.label} grammar worker died (item {index})", index=index)
                     continue
-                waiting.append(c._conn)
+                waiting.append(c.connection)
                 timeout = min(timeout, left)
             if not waiting:
                 break
             ready = wait(waiting, timeout=max(timeout, 0.0))
             for i, c in enumerate(clients):
-                if i not in out and c._conn is not None and c._conn in ready:
+                if i not in out and c.connection is not None and c.connection in ready:
                     try:
-                        out[i] = c._receive()
+                        out[i] = c.receive()
                     except WorkerFailure as e:
                         out[i] = e
     except BaseException:

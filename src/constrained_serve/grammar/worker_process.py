@@ -74,7 +74,9 @@ def main(argv: list[str]) -> None:
     conn = Connection(sock_fd)
     progress = ProgressCell(mmap.mmap(progress_fd, PAGE))
     try:
-        _, backend_name, tokenizer, options, rows = conn.recv()
+        tag, backend_name, tokenizer, options, rows = conn.recv()
+        if tag != "init":
+            raise ValueError(f"the grammar worker expected the 'init' message first, got {tag!r}")
         from .host import FaultPlan, MatcherHost, make_backend
 
         backend = make_backend(backend_name, tokenizer, **options)

@@ -13,7 +13,6 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from .gbnf import gbnf_for_backend
 from .tokenizer_data import JsonTokenizer, TokenizerData
 from .xgrammar_gaps import unsupported_schema_features, xgrammar_regex
 from .xgrammar_rewrite import ebnf_with_string_escapes, rewrite_schema
+from .xgrammar_vocab import tokenizer_info
 
 logger = logging.getLogger(__name__)
 
@@ -115,28 +115,6 @@ class XGrammarMatcher(GrammarMatcher):
         if n > 0:
             self._m.rollback(n)
             self._finished = self._flags = None
-
-
-def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: list[int], special: set[int]) -> xgr.TokenizerInfo:
-    """xgrammar's view of the vocabulary, with special tokens as special. from_huggingface
-    keeps their literal text ("<|im_start|>"), so a string or a regex class could take one
-    as those characters (and EOS as text in "[^b]+" let an output end before the regex
-    did), while the detokenizer drops special tokens from the text: what the grammar saw
-    is not what the Result shows. An empty string is how xgrammar marks a special token."""
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
-    if not special:
-        return info
-    vocab = [""] * vocab_size
-    for token, i in tokenizer.get_vocab().items():
-        if i < vocab_size and i not in special:
-            vocab[i] = token
-    return xgr.TokenizerInfo(
-        vocab,
-        vocab_type=info.vocab_type,
-        vocab_size=vocab_size,
-        stop_token_ids=eos_token_ids,
-        add_prefix_space=info.add_prefix_space,
-    )
 
 
 class XGrammarBackend(GrammarBackend):
