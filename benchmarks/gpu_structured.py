@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
             report["graph_replays"] = engine.core.runner.graphs.replays
         if engine.core.grammar is not None:
             g = engine.core.grammar
-            report["bitmask_pinned"] = g._bitmask.pinned  # cudaHostRegister took (grammar/shared_memory.py)
+            report["bitmask_pinned"] = g.masks.shared.pinned  # cudaHostRegister took (grammar/shared_memory.py)
             report["prefilled_rows"] = g.stats["prefilled_rows"]  # masks filled ahead (prefill_masks)
             g.close()
 

@@ -210,7 +210,7 @@ def test_rows_split_over_two_mask_workers_give_the_same_tokens(tiny_engine_facto
         eng = tiny_engine_factory(grammar_mask_workers=workers)
         rs = eng.generate(prompts, SamplingParams(max_tokens=30, temperature=0.7, seed=3), schema=schema)
         assert all(r.error_type in (None, "truncated") for r in rs), [r.error for r in rs]
-        assert len(eng.grammar._maskers["llguidance"]) == workers
+        assert len(eng.grammar.workers.maskers["llguidance"]) == workers
         outs.append([r.token_ids for r in rs])
     assert outs[0] == outs[1]
     for bad in (0, 65, 1.5, True):

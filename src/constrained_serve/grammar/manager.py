@@ -58,7 +58,6 @@ from .masks import MaskService, PendingMasks
 from .matchers import Advance, MatcherHandle
 from .matching import MASK_TIMEOUTS_S, MatcherService, PendingAdvance
 from .pool import WorkerPool
-from .shared_memory import SharedBitmask
 from .tokenizer_data import TokenizerData
 
 logger = logging.getLogger(__name__)
@@ -230,14 +229,3 @@ class GrammarManager:
         self.masks.drop_prefill()
         self.compiler.shutdown()
         self._close_workers()
-
-    # Read by code outside the grammar package (tests/engine/test_engine_structured.py,
-    # benchmarks/gpu_structured.py) from before the manager was split; new code reads
-    # ``workers.maskers`` and ``masks.shared``.
-    @property
-    def _maskers(self) -> dict[str, list[Any]]:
-        return self.workers.maskers
-
-    @property
-    def _bitmask(self) -> SharedBitmask:
-        return self.masks.shared
