@@ -42,7 +42,12 @@ def test_objects_are_closed_however_the_schema_comes(client):
     strict = {"type": "json_schema", "json_schema": {"name": "t", "schema": OPEN, "strict": True}}
     for kw in ({"response_format": rf}, {"response_format": strict}, {"extra_body": {"guided_json": OPEN}}):
         r = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "JSON"}], max_tokens=30, n=4, temperature=1.0, seed=3,
+            model="tiny",
+            messages=[{"role": "user", "content": "JSON"}],
+            max_tokens=30,
+            n=4,
+            temperature=1.0,
+            seed=3,
             **kw,
         )
         for c in r.choices:
