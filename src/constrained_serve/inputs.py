@@ -230,7 +230,7 @@ class RequestBuilder:
         spec_args = {
             k: spec_kwargs.pop(k)
             for k in list(spec_kwargs)
-            if k in _SPEC_KEYS or k in ("grammar_syntax", "json_whitespace", "strict")
+            if k in _SPEC_KEYS or k in ("grammar_syntax", "json_whitespace", "json_open_objects", "strict")
         }
         if spec_kwargs:
             raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")

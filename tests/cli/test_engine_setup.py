@@ -64,3 +64,14 @@ def test_bad_spec_is_refused_before_the_weights_load(tiny_llama_dir, tmp_path, c
     # A good spec gets as far as the model load, which names the missing weights.
     assert main(["generate", "hi", "--regex", "[a-z]+", "--model", str(model)]) == 2
     assert "cannot load" in capsys.readouterr().err
+
+
+def test_open_objects_flag(tmp_path) -> None:
+    """--schema FILE's objects are closed by the engine; --open-objects keeps them open."""
+    from constrained_serve.cli.command import build_parser
+    from constrained_serve.cli.engine_setup import output_spec
+
+    schema = write_lines(tmp_path / "s.json", [json.dumps({"type": "object", "properties": {"a": {}}})])
+    for flags, expected in (([], None), (["--open-objects"], True)):
+        args = build_parser().parse_args(["generate", "hi", "--schema", str(schema), *flags])
+        assert output_spec(args, default_any_json=True).kwargs.get("json_open_objects") is expected

@@ -33,7 +33,11 @@ def test_schema_forms_share_canonical_text():
     s3 = make_output_spec(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     assert s1 == s2 == s3 and s1.kind == "json_schema"
     # keys sorted, but the property order (b before a) is kept: it is part of the grammar
-    assert s1.text == '{"properties":{"b":{"type":"integer"},"a":{"type":"string"}},"required":["a"],"type":"object"}'
+    # (and the object closed: it says nothing about additionalProperties)
+    assert s1.text == (
+        '{"additionalProperties":false,"properties":{"b":{"type":"integer"},"a":{"type":"string"}},'
+        '"required":["a"],"type":"object"}'
+    )
 
 
 def test_property_order_is_kept_under_any_name():

@@ -46,6 +46,12 @@ def _add_spec_args(p: argparse.ArgumentParser, default: str) -> None:
     g.add_argument("--regex", metavar="REGEX", help="the output matches this regular expression")
     g.add_argument("--grammar", metavar="FILE", help="a Lark grammar file (see grammars/)")
     g.add_argument("--grammar-syntax", default="lark", choices=("lark", "ebnf", "gbnf"), help="syntax of --grammar")
+    g.add_argument(
+        "--open-objects",
+        action="store_true",
+        help="--schema FILE: objects that do not say additionalProperties take extra keys, as JSON Schema "
+        "literally reads them (default: they take none)",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

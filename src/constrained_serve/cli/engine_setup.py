@@ -20,6 +20,8 @@ def output_spec(args: argparse.Namespace, *, default_any_json: bool) -> OutputSp
         return OutputSpecArgs({}, json_output=False, label="free text")
     # Per call as well as per Engine, so an Engine passed to main() honours --backend too.
     spec.kwargs["grammar_backend"] = args.backend
+    if getattr(args, "open_objects", False) and "schema" in spec.kwargs:
+        spec.kwargs["json_open_objects"] = True
     return spec
 
 

@@ -105,26 +105,10 @@ def _schema_from_type(tp: Any) -> tuple[dict, Any]:
 
     try:
         if isinstance(tp, type) and issubclass(tp, BaseModel):
-            return _close_objects(tp.model_json_schema()), tp
-        return _close_objects(TypeAdapter(tp).json_schema()), tp
+            return tp.model_json_schema(), tp
+        return TypeAdapter(tp).json_schema(), tp
     except Exception as e:  # pydantic raises several error types for unusable types
         raise GrammarError(f"schema: cannot build a JSON Schema from type {tp!r}: {e}", reason=str(e)) from e
-
-
-def _close_objects(node: Any) -> Any:
-    """Pydantic ignores unknown keys by default but leaves ``additionalProperties`` open in the
-    schema, so the grammar would let the model invent keys that parsing then drops. Close
-    every object that declares properties and says nothing about extras (``extra="allow"``
-    models say ``additionalProperties: true`` and stay open)."""
-    if isinstance(node, dict):
-        for v in node.values():
-            _close_objects(v)
-        if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node:
-            node["additionalProperties"] = False
-    elif isinstance(node, list):
-        for v in node:
-            _close_objects(v)
-    return node
 
 
 def _normalize_schema(schema: Any, arg: str) -> tuple[dict | bool, Any]:
@@ -152,6 +136,19 @@ def _normalize_schema(schema: Any, arg: str) -> tuple[dict | bool, Any]:
     return _schema_from_type(schema)
 
 
+def _json_schema_spec(schema: Any, arg: str, common: dict, open_objects: bool) -> OutputSpec:
+    """The spec of a JSON Schema argument, its objects closed (closed_objects.py) unless
+    ``open_objects``. A Pydantic model or type is always closed: Pydantic ignores unknown
+    keys by default but leaves its schema open, so the grammar would let the model invent
+    keys that parsing then drops (``extra="allow"`` says ``additionalProperties: true``)."""
+    from .closed_objects import close_objects
+
+    value, tp = _normalize_schema(schema, arg)
+    if tp is not None or not open_objects:
+        value = close_objects(value)
+    return OutputSpec("json_schema", canonical_json(_boolean_schema(value, arg)), python_type=tp, **common)
+
+
 def _boolean_schema(value: dict | bool, arg: str) -> dict:
     """The boolean schemas of JSON Schema: ``true`` accepts any JSON value, the same as
     ``{}`` (which the backends take); ``false`` accepts none."""
@@ -172,8 +169,14 @@ def make_output_spec(
     response_format: Mapping[str, Any] | None = None,
     json_whitespace: bool = False,
     strict: bool = True,
+    json_open_objects: bool = False,
 ) -> OutputSpec | None:
-    """Normalize exactly one output constraint into an ``OutputSpec`` (None: unconstrained)."""
+    """Normalize exactly one output constraint into an ``OutputSpec`` (None: unconstrained).
+
+    A JSON Schema's objects that declare ``properties`` and say nothing about extra keys are
+    closed (``additionalProperties: false``, see closed_objects.py); ``json_open_objects=True``
+    keeps JSON Schema's literal meaning (open objects) for schemas given as JSON, except
+    under ``response_format``'s ``"strict": true``, which always closes them."""
     given = [
         n
         for n, v in (
@@ -192,10 +195,9 @@ def make_output_spec(
     common = {"whitespace": bool(json_whitespace), "strict": bool(strict)}
 
     if response_format is not None:
-        return _from_response_format(response_format, common)
+        return _from_response_format(response_format, common, bool(json_open_objects))
     if schema is not None:
-        value, tp = _normalize_schema(schema, "schema")
-        return OutputSpec("json_schema", canonical_json(_boolean_schema(value, "schema")), python_type=tp, **common)
+        return _json_schema_spec(schema, "schema", common, bool(json_open_objects))
     if regex is not None:
         if not isinstance(regex, str) or not regex:
             raise GrammarError(f"regex: expected a non-empty string, got {regex!r}")
@@ -216,7 +218,7 @@ def make_output_spec(
     return OutputSpec("choices", json.dumps(items, ensure_ascii=False), **common)
 
 
-def _from_response_format(rf: Mapping[str, Any], common: dict) -> OutputSpec | None:
+def _from_response_format(rf: Mapping[str, Any], common: dict, open_objects: bool) -> OutputSpec | None:
     if not isinstance(rf, Mapping) or "type" not in rf:
         raise GrammarError("response_format: expected a dict with a 'type' key")
     kind = rf["type"]
@@ -228,7 +230,7 @@ def _from_response_format(rf: Mapping[str, Any], common: dict) -> OutputSpec | N
         js = rf.get("json_schema")
         if not isinstance(js, Mapping) or "schema" not in js:
             raise GrammarError("response_format: 'json_schema' needs {'json_schema': {'schema': {...}}}")
-        arg = "response_format.json_schema.schema"
-        value, tp = _normalize_schema(js["schema"], arg)
-        return OutputSpec("json_schema", canonical_json(_boolean_schema(value, arg)), python_type=tp, **common)
+        # OpenAI's "strict": true promises closed objects whatever json_open_objects says.
+        open_objects = open_objects and js.get("strict") is not True
+        return _json_schema_spec(js["schema"], "response_format.json_schema.schema", common, open_objects)
     raise GrammarError(f"response_format: unknown type {kind!r} (expected json_schema, json_object or text)")

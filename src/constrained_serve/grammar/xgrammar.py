@@ -186,8 +186,10 @@ class XGrammarBackend(GrammarBackend):
                 text,
                 any_whitespace=spec.whitespace,
                 separators=None if spec.whitespace else (",", ":"),
-                # strict_mode=True would forbid additional properties the schema allows;
-                # we keep JSON Schema semantics, the same as llguidance.
+                # strict_mode=True would close every object, also those that say
+                # additionalProperties: true or a schema. Objects that say nothing were closed
+                # already (make_output_spec, closed_objects.py) unless json_open_objects, so
+                # both backends read the same schema the same way.
                 strict_mode=False,
             )
             mended = ebnf_with_string_escapes(str(grammar))  # escapes in length-bounded strings

@@ -3,7 +3,7 @@
     constrained-serve serve [--model M] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 ``/v1/chat/completions``, ``/v1/completions`` (both with ``stream`` as server-sent events),
-``/v1/models``, ``/health``. Every request from every client joins the same continuous
+``/v1/responses`` (responses.py), ``/v1/models``, ``/health``. Every request from every client joins the same continuous
 batches (one stepper thread, see async_engine.py). Bad input is a 400 with an OpenAI-style
 error body naming the problem; a request that fails while it decodes fails alone (its
 response says why), and the server goes on. A client that disconnects mid-stream has its
@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import GrammarError, PromptTooLongError
 from ..result import Result
 from . import protocol as P
+from . import responses as R
 
 if TYPE_CHECKING:
     from ..async_engine import AsyncEngine, Stream
@@ -128,6 +130,14 @@ def build_app(engine: AsyncEngine, model_name: str | None = None, api_key: str |
             return _streamed("completion", stream, name, _include_usage(req))
         results = await engine.generate(prompts, params, **specs)
         return _failure(results) or P.completion_response(results, name, tokenizer)
+
+    @app.post("/v1/responses")
+    async def responses(req: R.ResponsesRequest):
+        return await R.respond(req, engine, name)
+
+    @app.exception_handler(StarletteHTTPException)  # an unknown path or method: an OpenAI error body too
+    async def not_found(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=str(exc.status_code))
 
     return app
 

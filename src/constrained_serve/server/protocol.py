@@ -61,6 +61,9 @@ class _Body(BaseModel):
     guided_choice: list[str] | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # constrained-serve's own: JSON Schema objects that do not say additionalProperties stay
+    # open, as JSON Schema literally reads them (default: closed; see docs/api.md)
+    json_open_objects: bool = False
 
 
 class ChatCompletionRequest(_Body):
@@ -162,6 +165,8 @@ def spec_kwargs(req: _Body) -> dict[str, Any]:
         raise ValueError(f"give one output constraint, got {sorted(specs)}")
     if req.guided_decoding_backend:
         specs["grammar_backend"] = req.guided_decoding_backend
+    if req.json_open_objects and specs:
+        specs["json_open_objects"] = True
     return specs
 
 

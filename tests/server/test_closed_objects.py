@@ -1,0 +1,54 @@
+"""JSON Schema objects are closed on the server too: response_format json_schema (strict or
+not) and guided_json; extra_body json_open_objects keeps JSON Schema's literal meaning."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from constrained_serve.server import protocol as P
+
+from .test_app import Server
+
+OPEN = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama_dir):
+    from constrained_serve import AsyncEngine, Engine
+    from constrained_serve.server.app import build_app
+
+    ae = AsyncEngine(Engine(model=str(tiny_llama_dir), max_num_seqs=16))
+    srv = Server(build_app(ae, "tiny"))
+    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+    srv.stop()
+    asyncio.run(ae.aclose())
+
+
+def test_the_open_switch_reaches_the_spec():
+    body = {"messages": [{"role": "user", "content": "x"}], "guided_json": OPEN}
+    assert "json_open_objects" not in P.spec_kwargs(P.ChatCompletionRequest(**body))
+    assert P.spec_kwargs(P.ChatCompletionRequest(**body, json_open_objects=True))["json_open_objects"] is True
+
+
+@pytest.mark.timeout(180)
+def test_objects_are_closed_however_the_schema_comes(client):
+    """A random-weight model writes whatever the grammar lets it: with the objects closed,
+    never a key of its own."""
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": OPEN}}
+    strict = {"type": "json_schema", "json_schema": {"name": "t", "schema": OPEN, "strict": True}}
+    for kw in ({"response_format": rf}, {"response_format": strict}, {"extra_body": {"guided_json": OPEN}}):
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "JSON"}],
+            max_tokens=30,
+            n=4,
+            temperature=1.0,
+            seed=3,
+            **kw,
+        )
+        for c in r.choices:
+            assert c.finish_reason == "stop" and list(json.loads(c.message.content)) == ["ok"], (kw, c.message.content)
