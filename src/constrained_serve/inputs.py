@@ -6,6 +6,7 @@ and a problem of one item fails that item alone (its entry holds an error Result
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,32 @@ def split_chat_messages(messages: Any) -> tuple[list[Messages], bool]:
             f"lists), got a {type(messages).__name__}; for raw text use generate()"
         )
     single = len(messages) > 0 and isinstance(messages[0], dict)
-    return ([messages] if single else list(messages)), single
+    items = [messages] if single else list(messages)
+    bad = next((m for m in items if isinstance(m, (str, bytes))), None)
+    if bad is not None:
+        raise TypeError(
+            "chat() takes a list of {'role': ..., 'content': ...} messages (or a list of such lists), "
+            f"got a list of strings ({bad!r:.40}); for one user message each pass "
+            "[[{'role': 'user', 'content': s}] for s in texts], or use generate() for raw text"
+        )
+    return items, single
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def keyword_params(params: Any, spec_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """SamplingParams' fields given as keywords (``generate(..., max_tokens=40)``) taken out of
+    ``spec_kwargs`` into a SamplingParams; TypeError when ``params`` is given too."""
+    sampling = {k: spec_kwargs[k] for k in spec_kwargs if k in _SAMPLING_FIELDS}
+    if not sampling:
+        return params, spec_kwargs
+    if params is not None:
+        raise TypeError(
+            f"pass either params= or SamplingParams fields as keywords ({', '.join(sorted(sampling))}), not both"
+        )
+    rest = {k: v for k, v in spec_kwargs.items() if k not in _SAMPLING_FIELDS}
+    return SamplingParams(**sampling), rest
 
 
 @dataclass(frozen=True)
@@ -60,6 +86,11 @@ class Call:
     raise_on_error: bool = False
     single: bool = False  # one prompt or conversation given bare: its problem raises
     progress: bool = False
+
+    def __post_init__(self) -> None:
+        params, spec_kwargs = keyword_params(self.params, self.spec_kwargs)
+        object.__setattr__(self, "params", params)
+        object.__setattr__(self, "spec_kwargs", spec_kwargs)
 
     @classmethod
     def of(
@@ -84,6 +115,7 @@ class Call:
     def stream(cls, prompt: Any, params: SamplingParams | None, spec_kwargs: dict[str, Any]) -> Call:
         """A stream's call (``Engine.stream``, ``AsyncEngine.open_stream``): one prompt (text)
         or conversation (a message list), one SamplingParams with n=1; its problems raise."""
+        params, spec_kwargs = keyword_params(params, spec_kwargs)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"stream takes one prompt and one SamplingParams, got {type(params).__name__}")
@@ -230,7 +262,8 @@ class RequestBuilder:
         spec_args = {
             k: spec_kwargs.pop(k)
             for k in list(spec_kwargs)
-            if k in _SPEC_KEYS or k in ("grammar_syntax", "json_whitespace", "json_open_objects", "strict")
+            if k in _SPEC_KEYS
+            or k in ("grammar_syntax", "json_whitespace", "json_open_objects", "strict", "unicode_classes")
         }
         if spec_kwargs:
             raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")

@@ -158,7 +158,12 @@ class MatcherHost:
         check_can_end(spec, b.name)  # the same refusal from both backends
         compiled = b.compile(spec)
         # Refused at submit like any bad spec, rather than aborting mid-batch.
-        if b.dead_end(b.new_matcher(compiled)):
+        m = b.new_matcher(compiled)
+        if b.dead_end(m):
+            if (err := m.error()) is not None:  # a limit hit on the way, not an empty spec
+                raise b._error(
+                    spec, f"{err} (the spec is too large for {b.name}'s limits; another grammar_backend may take it)"
+                )
             raise GrammarError(
                 f"{b.name}: the {spec.kind} spec matches no text at all (nothing can be generated from its start)",
                 backend=b.name,

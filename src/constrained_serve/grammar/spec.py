@@ -18,6 +18,7 @@ from urllib.parse import unquote
 
 from ..errors import GrammarError
 from ..params import OutputSpec
+from .ascii_classes import ascii_classes, ascii_schema_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,39 @@ def _schema_from_type(tp: Any) -> tuple[dict, Any]:
         raise GrammarError(f"schema: cannot build a JSON Schema from type {tp!r}: {e}", reason=str(e)) from e
 
 
+# Deeper schemas are refused with a clear error before anything recurses into them (json,
+# the closing of objects, the backends): real schemas nest a few dozen levels at most.
+MAX_SCHEMA_DEPTH = 128
+
+
+def _check_depth(value: Any, arg: str) -> None:
+    """GrammarError if ``value`` (dicts and lists) nests deeper than MAX_SCHEMA_DEPTH; iterative."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(
+                f"{arg}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (objects and lists "
+                "inside each other); flatten it or use $defs and $ref",
+                reason="nested too deeply",
+            )
+        if isinstance(node, Mapping):
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (Mapping, list, tuple)))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (Mapping, list, tuple)))
+
+
 def _normalize_schema(schema: Any, arg: str) -> tuple[dict | bool, Any]:
+    try:
+        return _normalize_schema_unguarded(schema, arg)
+    except RecursionError as e:  # a depth check missed a path (a type pydantic recursed into)
+        raise GrammarError(f"{arg}: the schema nests too deeply to read", reason="nested too deeply") from e
+
+
+def _normalize_schema_unguarded(schema: Any, arg: str) -> tuple[dict | bool, Any]:
     if isinstance(schema, str):
+        if schema.count("{") + schema.count("[") > MAX_SCHEMA_DEPTH:  # cheap pre-check, then exact
+            _check_depth(_shallow_nesting(schema), arg)
         try:
             value = json.loads(schema)
         except json.JSONDecodeError as e:
@@ -121,6 +153,7 @@ def _normalize_schema(schema: Any, arg: str) -> tuple[dict | bool, Any]:
             raise GrammarError(f"{arg}: a JSON Schema must be an object or a boolean, got {type(value).__name__}")
         return value, None
     if isinstance(schema, Mapping):
+        _check_depth(schema, arg)
         try:
             return json.loads(json.dumps(schema)), None  # deep copy, and proves it is JSON
         except (TypeError, ValueError) as e:
@@ -136,6 +169,32 @@ def _normalize_schema(schema: Any, arg: str) -> tuple[dict | bool, Any]:
     return _schema_from_type(schema)
 
 
+def _shallow_nesting(text: str) -> list:
+    """A stand-in of a JSON text's bracket nesting (one list per level reached), so that
+    _check_depth sees a deep text before json.loads recurses into it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "}]":
+            depth -= 1
+    nest: list = []
+    for _ in range(min(deepest, MAX_SCHEMA_DEPTH + 1) - 1):
+        nest = [nest]
+    return nest
+
+
 def _json_schema_spec(schema: Any, arg: str, common: dict, open_objects: bool) -> OutputSpec:
     """The spec of a JSON Schema argument, its objects closed (closed_objects.py) unless
     ``open_objects``. A Pydantic model or type is always closed: Pydantic ignores unknown
@@ -144,8 +203,10 @@ def _json_schema_spec(schema: Any, arg: str, common: dict, open_objects: bool) -
     from .closed_objects import close_objects
 
     value, tp = _normalize_schema(schema, arg)
+    _check_depth(value, arg)  # a type's schema too
     if tp is not None or not open_objects:
         value = close_objects(value)
+    value = ascii_schema_patterns(value)  # \d and \w as ECMA-262 reads them
     return OutputSpec("json_schema", canonical_json(_boolean_schema(value, arg)), python_type=tp, **common)
 
 
@@ -170,13 +231,18 @@ def make_output_spec(
     json_whitespace: bool = False,
     strict: bool = True,
     json_open_objects: bool = False,
+    unicode_classes: bool = False,
 ) -> OutputSpec | None:
     """Normalize exactly one output constraint into an ``OutputSpec`` (None: unconstrained).
 
     A JSON Schema's objects that declare ``properties`` and say nothing about extra keys are
     closed (``additionalProperties: false``, see closed_objects.py); ``json_open_objects=True``
     keeps JSON Schema's literal meaning (open objects) for schemas given as JSON, except
-    under ``response_format``'s ``"strict": true``, which always closes them."""
+    under ``response_format``'s ``"strict": true``, which always closes them.
+
+    ``\\d`` and ``\\w`` are ASCII (``[0-9]``, ``[0-9A-Za-z_]``) in a JSON Schema ``pattern``,
+    as ECMA-262 says, and in ``regex=``; ``unicode_classes=True`` keeps the backend's Unicode
+    classes for ``regex=`` (see ascii_classes.py)."""
     given = [
         n
         for n, v in (
@@ -189,7 +255,7 @@ def make_output_spec(
         if v is not None
     ]
     if len(given) > 1:
-        raise GrammarError(f"give at most one output constraint, got {', '.join(given)}")
+        raise TypeError(f"give at most one output constraint, got {', '.join(given)}")
     if not given:
         return None
     common = {"whitespace": bool(json_whitespace), "strict": bool(strict)}
@@ -201,7 +267,8 @@ def make_output_spec(
     if regex is not None:
         if not isinstance(regex, str) or not regex:
             raise GrammarError(f"regex: expected a non-empty string, got {regex!r}")
-        return OutputSpec("regex", regex, **common)
+        _check_regex_syntax(regex)
+        return OutputSpec("regex", regex if unicode_classes else ascii_classes(regex), **common)
     if grammar is not None:
         if not isinstance(grammar, str) or not grammar.strip():
             raise GrammarError(f"grammar: expected a non-empty string, got {grammar!r}")
@@ -216,6 +283,36 @@ def make_output_spec(
     if not items or not all(isinstance(c, str) and c for c in items):
         raise GrammarError("choices: expected a non-empty list of non-empty strings")
     return OutputSpec("choices", json.dumps(items, ensure_ascii=False), **common)
+
+
+# re's errors for syntax that is invalid in every dialect (Rust's, which the backends read,
+# included); others may be Rust-only syntax (\p{L}, nested classes) that the backends take.
+_INVALID_EVERYWHERE = (
+    "multiple repeat",
+    "nothing to repeat",
+    "missing ), unterminated subpattern",
+    "unbalanced parenthesis",
+    "unterminated character set",
+)
+
+
+def _check_regex_syntax(regex: str) -> None:
+    import re
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            re.compile(regex)
+    except re.error as e:
+        if e.msg in _INVALID_EVERYWHERE:
+            where = f" at position {e.pos}" if e.pos is not None else ""
+            snippet = regex if len(regex) <= 200 else regex[:200] + "..."
+            raise GrammarError(
+                f"regex {snippet!r} is not a valid regular expression: {e.msg}{where}", reason=e.msg
+            ) from None
+    except (RecursionError, OverflowError):  # too large for re: the backend decides
+        pass
 
 
 def _from_response_format(rf: Mapping[str, Any], common: dict, open_objects: bool) -> OutputSpec | None:
