@@ -157,6 +157,7 @@ class _CallPlan:
     per_prompt: bool
     shared_spec: OutputSpec | None
     chat: bool
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs: extra chat template variables
 
 
 class RequestBuilder:
@@ -177,28 +178,49 @@ class RequestBuilder:
         self.max_model_len = max_model_len
         self._grammar = grammar
         self._rng = random.Random(seed)
+        self._longest_piece: int | None = None  # bytes of the vocabulary's longest token
 
     @property
     def grammar(self) -> GrammarManager:
         return self._grammar()
 
     def encode_prompt(self, prompt: str) -> list[int]:
+        self._check_text_length(prompt)
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
-    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+    def _check_text_length(self, text: Any) -> None:
+        """Refuse, before tokenizing it, a text so long it has more tokens than the context
+        holds however it is tokenized (no token spells more than the vocabulary's longest
+        piece): tokenizing 20 MB takes 20 s and gigabytes for a prompt that can never run."""
+        if not isinstance(text, str) or len(text) < self.max_model_len:
+            return
+        if self._longest_piece is None:
+            vocab = self.tokenizer.get_vocab()
+            self._longest_piece = max((len(t.encode("utf-8", "replace")) for t in vocab), default=1) or 1
+        if len(text) // self._longest_piece >= self.max_model_len:  # characters: at least one byte each
+            raise PromptTooLongError(
+                f"prompt has at least {len(text) // self._longest_piece} tokens ({len(text)} characters); "
+                f"the model's context (or the KV pool) holds {self.max_model_len}"
+            )
+
+    def render_chat(
+        self, messages: Messages, add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None
+    ) -> str:
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
         ):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
             )
         except Exception as e:  # jinja2 errors, a template's raise_exception(): this item's problem
             raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
-    def encode_chat(self, messages: Messages) -> list[int]:
-        return list(self.tokenizer(self.render_chat(messages), add_special_tokens=False)["input_ids"])
+    def encode_chat(self, messages: Messages, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        text = self.render_chat(messages, template_kwargs=template_kwargs)
+        self._check_text_length(text)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def make_spec(self, **spec_kwargs: Any) -> OutputSpec | None:
         if all(spec_kwargs.get(k) is None for k in _SPEC_KEYS):
@@ -256,6 +278,7 @@ class RequestBuilder:
     def _spec_args(spec_kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
         """(grammar_backend, the output-spec arguments); unknown keywords raise TypeError."""
         spec_kwargs = dict(spec_kwargs)
+        spec_kwargs.pop("chat_template_kwargs", None)  # not a spec: see _plan
         backend = spec_kwargs.pop("grammar_backend", None)
         if backend is not None and backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {backend!r}")
@@ -299,13 +322,16 @@ class RequestBuilder:
                     if p is not None
                 ]
                 self.grammar.compile(shared_spec, backend, max(timeouts) if all(timeouts) and timeouts else None)
-        return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat)
+        template_kwargs = spec_kwargs.get("chat_template_kwargs")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}")
+        return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat, template_kwargs)
 
     def _requests_for(self, plan: _CallPlan, i: int, item: Any) -> list[Request]:
         """The request(s) of item i of a call: one, or n for SamplingParams(n). A problem of
         this item alone (too long, a bad per-item spec) raises ValueError/TypeError."""
         spec = self.make_spec(**plan.per_item_specs[i]) if plan.per_prompt else plan.shared_spec
-        ids = self.encode_chat(item) if plan.chat else self._encode_raw(item)
+        ids = self.encode_chat(item, plan.template_kwargs) if plan.chat else self._encode_raw(item)
         p = plan.params_at(i)
         return [self.new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
 

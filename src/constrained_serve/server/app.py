@@ -30,6 +30,7 @@ from ..errors import GrammarError, PromptTooLongError
 from ..result import Result
 from . import protocol as P
 from . import responses as R
+from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyGuard, default_served_name
 
 if TYPE_CHECKING:
     from ..async_engine import AsyncEngine, Stream
@@ -64,13 +65,20 @@ def _failure(results: list[Result]) -> JSONResponse | None:
     )
 
 
-def build_app(engine: AsyncEngine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     """The FastAPI app over ``engine`` (an AsyncEngine). ``api_key`` (or the environment
     variable CONSTRAINED_SERVE_API_KEY): every request must carry ``Authorization: Bearer
-    <key>``, else 401."""
+    <key>``, else 401. ``model_name``: the id clients see and must send (default: the
+    model's last path part); bodies are checked first (limits.py)."""
     app = FastAPI(title="constrained-serve", version="0.1.0")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    name = model_name or engine.model_path or "default"
+    name = model_name or default_served_name(engine)
+    app.add_middleware(BodyGuard, max_request_bytes=max_request_bytes, model_names=frozenset({name}))
     tokenizer = engine.tokenizer
     started = int(time.time())
 
@@ -138,6 +146,11 @@ def build_app(engine: AsyncEngine, model_name: str | None = None, api_key: str |
     @app.exception_handler(StarletteHTTPException)  # an unknown path or method: an OpenAI error body too
     async def not_found(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=str(exc.status_code))
+
+    @app.exception_handler(Exception)  # a bug of ours: still an OpenAI error body, and logged
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
 
     return app
 

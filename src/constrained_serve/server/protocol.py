@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..params import SamplingParams
 from ..result import Result
+from .vllm_fields import vllm_spec_fields
 
 __all__ = [
     "ChatCompletionRequest",
@@ -60,6 +61,7 @@ class _Body(BaseModel):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None  # vllm_fields.py: "" or free whitespace
     structured_outputs: dict[str, Any] | None = None
     # constrained-serve's own: JSON Schema objects that do not say additionalProperties stay
     # open, as JSON Schema literally reads them (default: closed; see docs/api.md)
@@ -80,6 +82,7 @@ class ChatCompletionRequest(_Body):
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: passed to the chat template
 
 
 class CompletionRequest(_Body):
@@ -167,6 +170,7 @@ def spec_kwargs(req: _Body) -> dict[str, Any]:
         specs["grammar_backend"] = req.guided_decoding_backend
     if req.json_open_objects and specs:
         specs["json_open_objects"] = True
+    vllm_spec_fields(req, specs)
     return specs
 
 
