@@ -66,9 +66,7 @@ def test_request_size_limit_is_413_before_reading(hserved):
 def test_a_prompt_longer_than_the_context_is_not_tokenized(hserved):
     engine, srv = hserved
     text = "word " * 12000  # 60 KB: under the size limit, far over 256 tokens
-    tokenize = engine.inputs.tokenizer.__call__
     seen = []
-    engine.inputs.tokenizer.__class__  # noqa: B018 - the tokenizer is shared; watch its calls below
     orig = type(engine.inputs.tokenizer).__call__
 
     def watched(self, text_, *a, **kw):
@@ -83,7 +81,6 @@ def test_a_prompt_longer_than_the_context_is_not_tokenized(hserved):
         )
     finally:
         type(engine.inputs.tokenizer).__call__ = orig
-    assert tokenize  # noqa: S101
     err = _is_openai_error(r, 400)
     assert "prompt has at least" in err["message"] and not any(n > 50000 for n in seen)
 
@@ -222,10 +219,11 @@ def _mutate(rng: random.Random, body: dict) -> dict:
                 v = [v] if rng.random() < 0.5 else {"k": v}
             body[k] = v
     body["max_tokens"] = body["max_tokens"] if isinstance(body.get("max_tokens"), (int, float)) else 3
-    if isinstance(body.get("max_tokens"), (int, float)) and body["max_tokens"] > 64:
-        body["max_tokens"] = 64  # bound the time: the context (256) bounds it anyway
-    if isinstance(body.get("n"), int) and body["n"] > 4:
-        body["n"] = 4
+    for key in ("max_tokens", "max_output_tokens"):  # bound the time (the context, 256, bounds it anyway)
+        if isinstance(body.get(key), (int, float)) and body[key] > 4:
+            body[key] = 4
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2
     return body
 
 
@@ -254,7 +252,7 @@ def test_fuzz_the_http_surface(hserved):
     assert srv.url.startswith("http://127.0.0.1:")
     rng = random.Random(41)
     cases = []
-    for _ in range(2000):
+    for _ in range(1500):
         path, base = rng.choice(_BASE)
         cases.append((path, _encode(rng, _mutate(rng, base))))
     with httpx.Client(timeout=60) as c:  # warm up: the grammar workers, the first requests
