@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from constrained_serve.grammar.spec import follow_local_refs
+from constrained_serve.grammar.schema_walk import follow_local_refs
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "jsonschemabench"

@@ -5,13 +5,20 @@ import os
 import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Two cores: one intra-op thread for the model leaves the other to grammar/mask workers, the
+# child processes some tests start and whatever else runs on the machine. With two threads,
+# every OpenMP barrier of a forward waits a scheduler time slice for a thread whose core was
+# taken (runtime/thread_tuner.py): a 4-token generate on the default model measured 15 s
+# instead of 1.3 s beside a busy neighbour. OMP_NUM_THREADS is what Engine() (num_threads
+# None) reads, here and in the child processes (helpers.subprocess_env copies os.environ).
+# Tests that need more threads set them themselves (tests/kernel/conftest.py, the tuner's).
+THREADS = os.environ.get("CS_TEST_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", THREADS)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Two cores: one intra-op thread for the model leaves the other to grammar/mask threads and
-# keeps timings steady. Tests that need more set it themselves.
-torch.set_num_threads(int(os.environ.get("CS_TEST_THREADS", "2")))
+torch.set_num_threads(int(THREADS))
 
 
 @pytest.fixture(scope="session")

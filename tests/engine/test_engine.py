@@ -103,8 +103,8 @@ def test_decodes_are_never_stalled_by_a_long_prefill(tiny_engine_factory):
         inputs = eng.core.runner.prepare(batch)
         logits = eng.core.runner.forward(inputs)
         reqs = [c.request for c in batch.sampling_chunks]
-        eng.core._account(batch)
-        eng.core._take_tokens([(r, t, None) for r, t in zip(reqs, eng.core.sampler(logits, reqs, None))])
+        eng.core.updater.account(batch)
+        eng.core.updater.take_tokens([(r, t, None) for r, t in zip(reqs, eng.core.sampler(logits, reqs, None))])
         assert short.num_output == before + 1
 
 

@@ -15,6 +15,9 @@ from constrained_serve.kernels import attention, kv_layout, native_build, native
 
 from .helpers import assert_matches_dense, paged_case
 
+# The OpenMP loops of the native code on two threads (the suite's default is one).
+pytestmark = pytest.mark.usefixtures("two_threads")
+
 
 def _torch_path(q, kc, vc, meta, scale, monkeypatch):
     with monkeypatch.context() as m:

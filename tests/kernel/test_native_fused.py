@@ -15,6 +15,9 @@ from constrained_serve.models.llama import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 
+# The OpenMP loops of the native code on two threads (the suite's default is one).
+pytestmark = pytest.mark.usefixtures("two_threads")
+
 
 @pytest.fixture(autouse=True)
 def _library():

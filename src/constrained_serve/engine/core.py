@@ -44,9 +44,9 @@ from ..runtime.sampler import SampledTokens, Sampler, record_prompt_logprobs
 from .batch import Batch
 from .detokenizer import IncrementalDetokenizer, batch_decoder
 from .interrupts import sigint_deferred
-from .request import Request
+from .request import OutputText, Request
 from .scheduler import Scheduler
-from .step_update import StepUpdates
+from .step_update import StepUpdater
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +89,12 @@ class LaunchedStep:
     valid: list[bool]
 
 
-class EngineCore(StepUpdates):
+class EngineCore:
+    """The step loop. It holds the scheduler, the KV cache manager, the runner and the
+    sampler, and a ``StepUpdater`` (step_update.py) that applies each step's tokens to its
+    requests; ``eos_token_ids``, ``max_model_len``, ``overlap`` and ``fast_forward`` are fixed
+    at construction (the updater has them too)."""
+
     def __init__(
         self,
         runner: ModelRunner,
@@ -119,11 +124,22 @@ class EngineCore(StepUpdates):
         self.pipeline = pipeline
         self._launched: LaunchedStep | None = None  # pipelined: the step whose tokens are not read yet
         self.sampler = Sampler(runner.device)
-        self._decode = batch_decoder(tokenizer)
         self.device = runner.device
         self.num_steps = 0
         self.check_each_step = False  # tests turn this on: integrity check after every step
-        self.finished_queue: list[Request] = []
+        self._finished: list[Request] = []  # ended since the last drain_finished (never rebound)
+        self.updater = StepUpdater(
+            scheduler,
+            kv,
+            self.grammar_manager,
+            batch_decoder(tokenizer),
+            eos_token_ids,
+            max_model_len,
+            fast_forward=fast_forward,
+            overlap=overlap,
+            finished=self._finished.append,
+            abort=self._abort,
+        )
         self._in_step = False
         self._masks = None  # PendingMasks: the mask fill of the step running
         self._deferred_aborts: list[tuple] = []
@@ -140,7 +156,7 @@ class EngineCore(StepUpdates):
 
     # ------------------------------------------------------------------ requests
     def add(self, r: Request) -> None:
-        r.detok = IncrementalDetokenizer(self.tokenizer, r.prompt_ids[-4:])
+        r.text_state = OutputText(IncrementalDetokenizer(self.tokenizer, r.prompt_ids[-4:]))
         self.scheduler.add(r)
 
     def abort(self, r: Request, reason: str = "abort", error: str | None = None, error_type: str | None = None) -> None:
@@ -162,7 +178,7 @@ class EngineCore(StepUpdates):
         self._drop_placeholder(r)
         r.error, r.error_type = error, error_type
         self.scheduler.finish(r, reason)
-        self.finished_queue.append(r)
+        self._finished.append(r)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._launched is not None
@@ -182,7 +198,7 @@ class EngineCore(StepUpdates):
     # ------------------------------------------------------------------ grammar
     def _prepare_grammars(self) -> None:
         """Give waiting requests whose grammar finished compiling a matcher (or their error),
-        and append the tokens their grammar forces before the first sampled one."""
+        and append the tokens their grammar forces before the first sampled one (the updater)."""
         ready = []
         for r in list(self.scheduler.waiting):
             g = r.grammar
@@ -196,17 +212,8 @@ class EngineCore(StepUpdates):
             g.compiled, g.future = compiled, None
             g.matcher = self.grammar.new_matcher(compiled, r.params.mask_timeout_s)
             ready.append(r)
-        if not ready:
-            return
-        # Tokens the grammar forces before the first sampled token join the prefill.
-        results = self.grammar.advance([(r.matcher, [], self._ff_room(r), r.params.stop_token_ids) for r in ready])
-        for r, res in zip(ready, results):
-            if res is None:
-                self._abort(r, "abort", self._backend_failure(r, r.matcher.failure), "GrammarError")
-                continue
-            if not self._check_stop(r, [], res.finished_first):
-                [forced] = self._append_forced([(r, res.forced)])
-                self._check_stop(r, forced, res.finished)
+        if ready:
+            self.updater.take_first_forced(ready)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[Request]:
@@ -244,7 +251,7 @@ class EngineCore(StepUpdates):
         for r in self.scheduler.drop_all():
             self._drop_placeholder(r)
             r.finish_reason, r.error, r.error_type = "abort", why, "KeyboardInterrupt"
-            self.finished_queue.append(r)
+            self._finished.append(r)
         # The conversations keep their history; their next turn recomputes its KV.
         self.kv.reset()  # their pins too
         logger.warning("%s: every unfinished request failed, the KV cache was cleared", why)
@@ -275,13 +282,13 @@ class EngineCore(StepUpdates):
         logits = self.runner.forward(inputs)
         if prev is not None:
             self._finish(prev)  # on CUDA, while the GPU runs this step's forward
-        self._account(batch)
+        self.updater.account(batch)
         valid = [not r.finished and r.num_pending == 0 for r in reqs]
         if not early:
             bitmask = self._start_masks(reqs, valid)
         if self._masks is not None:
             masks, self._masks = self._masks, None
-            masks.wait()  # a row whose grammar work failed allows every token; _take_tokens fails it
+            masks.wait()  # a row whose grammar work failed allows every token; take_tokens fails it
         if inputs.prompt_rows:  # after the sampling rows; scored before penalties touch logits
             record_prompt_logprobs(logits[len(reqs) :], inputs.prompt_rows)
             logits = logits[: len(reqs)]
@@ -325,15 +332,19 @@ class EngineCore(StepUpdates):
                 continue
             self._drop_placeholder(r)  # the token goes in its place
             rows.append((r, tokens[j], logprobs[j] if logprobs is not None else None))
-        self._take_tokens(rows)
+        self.updater.take_tokens(rows)
 
     def _only_compiling(self) -> bool:
         """Waiting requests whose grammar is not attached yet (compiling, or just done)."""
         return any(r.compiling for r in self.scheduler.waiting)
 
     def drain_finished(self) -> list[Request]:
-        done, self.finished_queue = self.finished_queue, []
+        """The requests that ended since the last call; the runner and the grammar workers
+        forget them."""
+        done = list(self._finished)
+        self._finished.clear()
         for r in done:
+            self.runner.release(r)
             if r.matcher is not None:  # its worker drops the matcher; the handle keeps its last state
                 self.grammar.release(r.matcher)
         return done

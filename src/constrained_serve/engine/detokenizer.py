@@ -69,10 +69,8 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids: list[int]) -> str:
         """Add tokens; return the newly completed text (possibly '')."""
-        self.ids.extend(new_ids)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        return self._advance(prefix, full)
+        prefix, full = self.append(new_ids)
+        return self.advance(self._decode(prefix), self._decode(full))
 
     @staticmethod
     def push_many(
@@ -82,14 +80,20 @@ class IncrementalDetokenizer:
         (``batch_decoder``): the same texts, at a fraction of the cost per step."""
         seqs: list[list[int]] = []
         for d, new_ids in items:
-            d.ids.extend(new_ids)
-            seqs.append(d.ids[d.prefix_offset : d.read_offset])
-            seqs.append(d.ids[d.prefix_offset :])
+            seqs.extend(d.append(new_ids))
         texts = decode(seqs) if seqs else []
         for k, (d, _) in enumerate(items):
-            d._advance(texts[2 * k], texts[2 * k + 1])
+            d.advance(texts[2 * k], texts[2 * k + 1])
 
-    def _advance(self, prefix: str, full: str) -> str:
+    def append(self, new_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Add tokens without decoding; returns the two windows of ids whose decodes
+        ``advance`` takes: up to the last emitted token, and up to the newest."""
+        self.ids.extend(new_ids)
+        return self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset :]
+
+    def advance(self, prefix: str, full: str) -> str:
+        """Take the decodes of ``append``'s windows: the newly completed text (possibly ''),
+        held back while it ends in an incomplete character."""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset

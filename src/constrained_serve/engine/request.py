@@ -44,7 +44,19 @@ class GrammarState:
 
 
 @dataclass(eq=False)
+class OutputText:
+    """The output's text, as the step's update builds it (step_update.py) and stop strings
+    are searched in it (stop_strings.py)."""
+
+    detok: IncrementalDetokenizer
+    stop_scanned: int = 0  # characters of detok.text already searched for stop strings
+    mark: int = 0  # len(detok.text) before the latest tokens were pushed
+    end: int | None = None  # set by a stop token: its text is left out, as in vLLM
+
+
+@dataclass(eq=False)
 class Request:
+    # What was asked (the API's)
     prompt_ids: list[int]
     params: SamplingParams
     spec: OutputSpec | None = None
@@ -52,35 +64,34 @@ class Request:
     index: int = 0  # position in the caller's input list
     request_id: int = field(default_factory=lambda: next(_ids))
 
+    # Progress (the scheduler's and the step's)
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served by the prefix cache at (first) admission
-    pages: list[int] = field(default_factory=list)
-    # Bumped by the cache manager on any change to ``pages`` other than an append; with the
-    # slot fields it lets block_tables.py rewrite only what changed since the last step.
-    pages_version: int = 0
-    table_slot: int = -1
-    table_version: int = -1
-    table_len: int = 0
-    cache_node: "Node | None" = None  # locked radix node covering pages[:num_shared // page_size]
-    num_shared: int = 0  # leading tokens whose pages are shared with the prefix cache
     status: Status = Status.WAITING
-    # Pipelined loop (engine.py): the row of the launched step whose sampled token is not read
+    num_preemptions: int = 0
+    # Pipelined loop (core.py): the row of the launched step whose sampled token is not read
     # yet; token_ids ends with a placeholder for it until then.
     pending_row: int | None = None
 
+    # KV pages (the cache manager's, cache/manager.py)
+    pages: list[int] = field(default_factory=list)
+    # Bumped by the cache manager on any change to ``pages`` other than an append: it lets the
+    # runner's block tables (runtime/block_tables.py) rewrite only what changed since a step.
+    pages_version: int = 0
+    cache_node: "Node | None" = None  # locked radix node covering pages[:num_shared // page_size]
+    num_shared: int = 0  # leading tokens whose pages are shared with the prefix cache
+
+    # Grammar
     grammar: GrammarState | None = None  # None: unconstrained
     num_forced: int = 0  # output tokens the grammar forced (not sampled)
 
+    # Output
+    text_state: OutputText | None = None  # made when the engine takes the request
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     error_type: str | None = None
-    num_preemptions: int = 0
-    detok: IncrementalDetokenizer | None = None  # made when the engine takes the request
-    stop_scanned: int = 0  # characters of detok.text already searched for stop strings
-    text_mark: int = 0  # len(detok.text) before the latest tokens were pushed
-    text_end: int | None = None  # set by a stop token: its text is left out, as in vLLM
     # Per output token when params.logprobs is set: {token: logprob, ...}; None for forced tokens.
     logprobs: list[dict[int, float] | None] | None = None
     # Per prompt token when its prompt logprobs are wanted (set by the API: [None], the first
@@ -93,6 +104,11 @@ class Request:
             self.token_ids = list(self.prompt_ids)
         if (self.params.logprobs is not None or self.params.field_confidence) and self.logprobs is None:
             self.logprobs = []
+
+    @property
+    def detok(self) -> IncrementalDetokenizer | None:
+        """The output's detokenizer (its ``text`` is the output text so far)."""
+        return self.text_state.detok if self.text_state is not None else None
 
     @property
     def matcher(self) -> "MatcherHandle | None":
@@ -130,5 +146,6 @@ class Request:
     def visible_text(self, final: bool) -> str:
         """The output text a user sees: without the text of a stop token, cut before the
         first stop string (and, while it can still grow, before a tail that may start one)."""
-        text = self.detok.text if self.text_end is None else self.detok.text[: self.text_end]
+        t = self.text_state
+        text = t.detok.text if t.end is None else t.detok.text[: t.end]
         return cut_at_stop(text, self.params.stop, final=final)

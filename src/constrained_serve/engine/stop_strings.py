@@ -25,7 +25,7 @@ def forced_until_stop(r: Request, forced: list[int]) -> int:
 def _scan_start(r: Request) -> int:
     """Where a stop string could begin in text added since the last check: the scanned
     part minus enough for a stop string that straddles the boundary."""
-    return max(0, r.stop_scanned - max(len(s) for s in r.params.stop) + 1)
+    return max(0, r.text_state.stop_scanned - max(len(s) for s in r.params.stop) + 1)
 
 
 def stop_string_seen(r: Request) -> str | None:
@@ -34,6 +34,6 @@ def stop_string_seen(r: Request) -> str | None:
     the boundary (a fast-forward can add many characters at once)."""
     text = r.detok.text
     start = _scan_start(r)
-    r.stop_scanned = len(text)
+    r.text_state.stop_scanned = len(text)
     found = [(i, s) for s in r.params.stop if (i := text.find(s, start)) >= 0]
     return min(found)[1] if found else None

@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .spec import SCHEMA_NAME_MAPS, SUBSCHEMA_LISTS, SUBSCHEMA_VALUES, resolve_local_ref
+from .schema_walk import SCHEMA_NAME_MAPS, SUBSCHEMA_LISTS, SUBSCHEMA_VALUES, resolve_local_ref
 
 __all__ = ["close_objects"]
 

@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import GrammarError
 from ..params import OutputSpec
 from .finite_output import rules_without_finite_text
-from .spec import resolve_local_ref
+from .schema_walk import resolve_local_ref
 
 logger = logging.getLogger(__name__)
 

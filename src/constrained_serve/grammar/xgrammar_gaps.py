@@ -15,7 +15,7 @@ from jsonschema import Draft202012Validator
 
 from ..errors import GrammarError
 from .regex_scan import regex_tokens
-from .spec import SCHEMA_NAME_MAPS, SUBSCHEMA_LISTS, SUBSCHEMA_VALUES, follow_local_refs, resolve_local_ref
+from .schema_walk import SCHEMA_NAME_MAPS, SUBSCHEMA_LISTS, SUBSCHEMA_VALUES, follow_local_refs, resolve_local_ref
 
 __all__ = ["unsupported_schema_features", "xgrammar_regex"]
 

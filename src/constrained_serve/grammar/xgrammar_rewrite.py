@@ -29,7 +29,7 @@ from jsonschema import Draft202012Validator
 
 from ..errors import GrammarError
 from .regex_scan import regex_tokens
-from .spec import SCHEMA_NAME_MAPS, SUBSCHEMA_LISTS, SUBSCHEMA_VALUES
+from .schema_walk import SCHEMA_NAME_MAPS, SUBSCHEMA_LISTS, SUBSCHEMA_VALUES
 
 __all__ = ["NEVER", "ebnf_with_string_escapes", "rewrite_schema", "search_pattern"]
 

@@ -13,7 +13,10 @@ import sys
 import torch
 
 from . import native_fused
+from ._triton import require_triton
+from .sampling_candidates import sample_with_candidates
 from .sampling_tensors import SamplingTensors
+from .sampling_triton import HAS_TRITON, apply_bitmask_triton, sample_fused_triton  # noqa: F401
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -138,5 +141,20 @@ def sample_torch(
     return torch.where(temperature == 0, greedy_tokens, sampled)
 
 
-# The GPU path, in its own file; its names stay importable from here.
-from .sampling_triton import HAS_TRITON, apply_bitmask_triton, sample_triton  # noqa: E402, F401
+def sample_triton(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    params: SamplingTensors,
+    *,
+    all_greedy: bool = False,
+    candidates: tuple[list[int], int] | None = None,
+    **kernel_options: int | None,
+) -> torch.Tensor:
+    """The GPU sampler, same arguments and result as :func:`sample_torch`: the fused Triton
+    kernel (sampling_triton.py), after ``candidates`` (rows, their largest top_k) drew
+    from their top-k candidates (sampling_candidates.py). ``kernel_options``: the fused
+    kernel's block sizes and warps."""
+    require_triton()
+    if candidates is not None and candidates[0] and not all_greedy:
+        return sample_with_candidates(logits, bitmask, params, candidates, **kernel_options)
+    return sample_fused_triton(logits, bitmask, params, all_greedy=all_greedy, **kernel_options)

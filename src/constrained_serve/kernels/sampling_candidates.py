@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from ..runtime.input_staging import to_device
 from ._triton import HAS_TRITON, tl, triton
 from .sampling_tensors import SamplingTensors
+from .sampling_triton import apply_bitmask_triton, sample_fused_triton
+from .transfer import to_device
 
 # Rows with a top_k up to this take the candidate path on GPU.
 CANDIDATES_MAX = 1024
@@ -104,8 +105,6 @@ def sample_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 [R], overflow bool [R]) for rows that all have 0 < top_k <= k_max and
     temperature > 0; an overflow row's token is not valid (see the module docstring)."""
-    from .sampling_triton import apply_bitmask_triton
-
     temperature, top_k, top_p, min_p, seeds = params
 
     R, V = logits.shape
@@ -150,8 +149,6 @@ def sample_with_candidates(
     filters off on the candidate rows the candidates decided (only its first pass runs there,
     and its token is dropped): the rare row whose ties overflow its candidates is redone by
     the fused kernel with its filters, all without the host looking at the device."""
-    from .sampling_triton import sample_triton
-
     rows, k_max = candidates
     idx = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)
 
@@ -163,7 +160,7 @@ def sample_with_candidates(
     )
     decided = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     decided[idx] = ~overflow
-    out = sample_triton(
+    out = sample_fused_triton(
         logits,
         bitmask,
         params._replace(

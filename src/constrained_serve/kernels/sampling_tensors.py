@@ -1,5 +1,5 @@
 """A step's per-row sampling parameters, as the samplers read them: one tensor per parameter,
-one entry per row, on the logits' device. ``sample_torch`` (sampling.py), ``sample_triton``
+one entry per row, on the logits' device. ``sample_torch`` (sampling.py), ``sample_fused_triton``
 (sampling_triton.py) and the top-k candidate path (sampling_candidates.py) all take one.
 
 A NamedTuple, so the candidate path can unpack it and swap filters (``_replace``), and the

@@ -11,7 +11,8 @@ The draw is Gumbel-max: argmax(logit / T + G) with G = -log(-log(U)), U = tl.ran
 i.e. the same law as the reference's argmax(p / E), E ~ Exp(1).
 Passes over the vocab per row: 1 (greedy or plain sampling, min-p needs 2), 10 with top-k/p.
 Rows with 0 < top_k <= 1024 skip the search: sampling_candidates.py draws them from torch.topk's
-candidates with the same thresholds and noise (sample_triton's ``candidates``).
+candidates with the same thresholds and noise (``sampling.sample_triton`` picks the path per row;
+this module knows nothing of it).
 Ties exactly at a top-k/top-p threshold are all kept, as in the reference; the noise stream
 differs from the reference's torch generator, so the two agree in distribution, not draw
 for draw.
@@ -202,13 +203,12 @@ def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, *, block_v
     return logits
 
 
-def sample_triton(
+def sample_fused_triton(
     logits: torch.Tensor,
     bitmask: torch.Tensor | None,
     params: SamplingTensors,
     *,
     all_greedy: bool = False,
-    candidates: tuple[list[int], int] | None = None,
     block_v: int | None = None,
     search_block: int | None = None,
     rows_per_program: int | None = None,
@@ -216,23 +216,11 @@ def sample_triton(
 ) -> torch.Tensor:
     """Fused Triton version of :func:`sample_torch`: one program per row, no host sync.
 
-    Same arguments and result (int64 [R]); logits are read, never written. ``candidates``:
-    (rows, their largest top_k) that take the top-k candidate path (sampling_candidates.py)
-    instead of the fused kernel's threshold search.
+    Same arguments and result (int64 [R]); logits are read, never written. Every row takes
+    the threshold search (``sampling.sample_triton`` sends small-top-k rows to the candidate
+    path first).
     """
     require_triton()
-    if candidates is not None and candidates[0] and not all_greedy:
-        from .sampling_candidates import sample_with_candidates
-
-        return sample_with_candidates(
-            logits,
-            bitmask,
-            params,
-            candidates,
-            block_v=block_v,
-            search_block=search_block,
-            num_warps=num_warps,
-        )
     R, V = logits.shape
     assert logits.stride(-1) == 1
     out = torch.empty(R, dtype=torch.int64, device=logits.device)

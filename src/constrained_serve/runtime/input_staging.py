@@ -21,14 +21,6 @@ import numpy as np
 import torch
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without waiting for the work queued there: a copy
-    from pageable memory would (the pipelined loop has the next step to prepare meanwhile)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 class _Staging:
     """One dtype's two host buffers (pinned on CUDA) and device buffer, grown on demand."""
 

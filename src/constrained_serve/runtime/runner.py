@@ -181,6 +181,10 @@ class ModelRunner:
             input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=rows_t, prompt_rows=prompt_rows
         )
 
+    def release(self, r: Request) -> None:
+        """Forget what the runner keeps of a request that finished (its block-table row)."""
+        self.block_tables.release(r.request_id)
+
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits [num_sampling_rows, vocab] (fp32). On CUDA this returns before the GPU is done."""
         self.tokens_computed += int(inputs.input_ids.shape[0])

@@ -16,7 +16,8 @@ from ..engine.request import Request
 from ..kernels import dispatch
 from ..kernels.sampling_candidates import candidate_rows
 from ..kernels.sampling_tensors import SamplingTensors
-from .input_staging import InputStaging, to_device
+from ..kernels.transfer import to_device
+from .input_staging import InputStaging
 
 _MASK64 = (1 << 63) - 1
 

@@ -1,11 +1,12 @@
 """block_tables.py: the step's block table, kept across steps and updated where pages
 changed, always equals the table built from scratch from the requests' page lists. The page
 lists change as the cache manager changes them: appends, a prefix-cache swap of a slice,
-admission and release (the non-append changes bump ``pages_version``)."""
+admission and release (the non-append changes bump ``pages_version``). What the table keeps
+of a request (its slot) is the runner's, keyed by request id, and goes with the request: when
+a step leaves it out, or when it finishes."""
 
 from __future__ import annotations
 
-import gc
 import random
 
 import numpy as np
@@ -59,15 +60,53 @@ def test_incremental_rows_equal_the_pages_through_every_kind_of_change():
     assert bt.table.shape[0] <= 16
 
 
-def test_a_collected_request_frees_its_slot():
+def test_a_request_left_out_of_a_step_gives_its_slot_back():
     bt = BlockTables(rows=2, cols=2)
     a, b = request(), request()
     a.pages, b.pages = [5, 6], [7]
     bt.gather([a, b], [2, 1], 2)
-    del a
-    gc.collect()
     c = request()
     c.pages = [9, 9, 9]
     got = bt.gather([b, c], [1, 3], 3)
     assert bt.table.shape[0] == 2, "a's slot went to c"
+    assert len(bt) == 2
     assert got[0, :1].tolist() == [7] and got[1].tolist() == [9, 9, 9]
+    # a comes back (after a preemption, say): its row is written whole again.
+    a.pages = [1, 2]
+    assert bt.gather([a], [2], 2).tolist() == [[1, 2]]
+    assert len(bt) == 1
+
+
+def test_release_forgets_a_finished_request():
+    bt = BlockTables(rows=1, cols=2)
+    a = request()
+    a.pages = [3]
+    bt.gather([a], [1], 1)
+    bt.release(a.request_id)
+    bt.release(a.request_id)  # twice: nothing left to forget
+    assert len(bt) == 0
+    b = request()
+    b.pages = [4]
+    assert bt.gather([b], [1], 1).tolist() == [[4]]
+    assert bt.table.shape[0] == 1, "a's slot went to b"
+
+
+def test_the_engine_keeps_no_row_of_a_finished_request(tiny_engine_factory):
+    """Requests of every kind of end (length, stop, abort mid-run) leave nothing in the
+    runner's block tables once the engine is idle, pipelined or not."""
+    from constrained_serve import SamplingParams
+
+    for pipeline in (False, True):
+        eng = tiny_engine_factory(pipeline=pipeline)
+        eng.generate(["hello there", "a b c d e f", "x"], SamplingParams(max_tokens=6, ignore_eos=True))
+        assert not eng.core.has_work()
+        assert len(eng.core.runner.block_tables) == 0
+        stream = eng.core
+        r = Request(eng.encode_prompt("some words here"), SamplingParams(max_tokens=50, ignore_eos=True))
+        stream.add(r)
+        stream.step()
+        stream.step()
+        assert len(eng.core.runner.block_tables) == 1
+        stream.abort(r)
+        stream.drain_finished()
+        assert len(eng.core.runner.block_tables) == 0

@@ -12,7 +12,7 @@ import pytest
 from constrained_serve import AsyncEngine, SamplingParams
 from constrained_serve.errors import OutputError
 
-from .specs import BOUNDED, Person
+from ..engine.specs import BOUNDED, Person
 
 
 def test_partial_objects_sync_and_async(tiny_engine_factory):

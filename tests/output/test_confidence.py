@@ -12,7 +12,7 @@ import torch
 from constrained_serve import SamplingParams
 from constrained_serve.output.json_spans import scan
 
-from .specs import BOUNDED, Person
+from ..engine.specs import BOUNDED, Person
 
 
 @pytest.mark.slow
