@@ -133,7 +133,7 @@ class GrammarBackend(abc.ABC):
         """``text`` as a whole is a complete match of the grammar, however it is tokenized
         (checks an output that a stop string cut at an arbitrary character)."""
 
-    def _error(self, spec: OutputSpec, reason: str, prefix: str = "cannot compile") -> GrammarError:
+    def spec_error(self, spec: OutputSpec, reason: str, prefix: str = "cannot compile") -> GrammarError:
         """The error every backend raises for a spec: the backend, what failed, the spec's
         start (up to 200 characters) and the reason."""
         snippet = spec.text if len(spec.text) <= 200 else spec.text[:200] + "..."

@@ -161,7 +161,7 @@ class MatcherHost:
         m = b.new_matcher(compiled)
         if b.dead_end(m):
             if (err := m.error()) is not None:  # a limit hit on the way, not an empty spec
-                raise b._error(
+                raise b.spec_error(
                     spec, f"{err} (the spec is too large for {b.name}'s limits; another grammar_backend may take it)"
                 )
             raise GrammarError(

@@ -233,7 +233,7 @@ class LLGuidanceBackend(GrammarBackend):
             try:
                 return LLMatcher.grammar_from_json_schema(spec.text, defaults=options)
             except ValueError as e:
-                raise self._error(spec, str(e)) from e
+                raise self.spec_error(spec, str(e)) from e
         if spec.kind == "regex":
             return LLMatcher.grammar_from_regex(spec.text)
         if spec.kind == "lark":
@@ -247,7 +247,7 @@ class LLGuidanceBackend(GrammarBackend):
             try:
                 return llguidance.grammar_from("gbnf", gbnf_for_backend(spec.text, self.name))
             except ValueError as e:
-                raise self._error(spec, str(e)) from e
+                raise self.spec_error(spec, str(e)) from e
         raise GrammarError(f"llguidance: unsupported output kind {spec.kind!r}", backend=self.name)
 
     def compile(self, spec: OutputSpec) -> CompiledGrammar:
@@ -255,7 +255,7 @@ class LLGuidanceBackend(GrammarBackend):
         grammar = self.grammar_text(spec)
         template = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_limits())
         if template.is_error():
-            raise self._error(spec, _located(spec, template.get_error()))
+            raise self.spec_error(spec, _located(spec, template.get_error()))
         self._probe(spec, template)
         warnings = list(template.get_grammar_warnings())
         if spec.is_json and not spec.strict and '"oneOf"' in spec.text:
@@ -264,7 +264,7 @@ class LLGuidanceBackend(GrammarBackend):
         if warnings:
             if spec.strict:
                 # The engine would accept the grammar but silently approximate part of it.
-                raise self._error(spec, "; ".join(warnings), prefix="would approximate the spec (strict=True)")
+                raise self.spec_error(spec, "; ".join(warnings), prefix="would approximate the spec (strict=True)")
             logger.warning("llguidance approximates %s spec: %s", spec.kind, "; ".join(warnings))
         return CompiledGrammar(self.name, spec, template, time.perf_counter() - t0, warnings, payload=grammar)
 
@@ -283,7 +283,7 @@ class LLGuidanceBackend(GrammarBackend):
                 reason = m.get_error().split("\n", 1)[0]
                 if reason.startswith("NoExtension"):  # a dead end: the engine explains those
                     return
-                raise self._error(spec, reason, prefix="cannot compute the first token masks of")
+                raise self.spec_error(spec, reason, prefix="cannot compute the first token masks of")
             forced = list(m.compute_ff_tokens())
             if not forced:  # fixed bytes still, if every allowed token spells a start of them
                 ids = [int(t) for t in np.flatnonzero(allowed_tokens(row[0], self.vocab_size)) if t not in self._eos]
@@ -300,7 +300,7 @@ class LLGuidanceBackend(GrammarBackend):
     def load(self, payload: str, spec: OutputSpec) -> CompiledGrammar:
         template = LLMatcher(self.ll_tokenizer, payload, log_level=0, limits=_limits())
         if template.is_error():
-            raise self._error(spec, template.get_error())
+            raise self.spec_error(spec, template.get_error())
         return CompiledGrammar(self.name, spec, template, payload=payload)
 
     # -- matchers ------------------------------------------------------------------------

@@ -153,7 +153,7 @@ class XGrammarBackend(GrammarBackend):
             if warnings:
                 msg = "ignores " + ", ".join(warnings)
                 if spec.strict:
-                    raise self._error(spec, msg, prefix="would approximate the spec (strict=True)")
+                    raise self.spec_error(spec, msg, prefix="would approximate the spec (strict=True)")
                 logger.warning("xgrammar approximates json_schema spec: %s", msg)
         try:
             regex = None
@@ -168,7 +168,7 @@ class XGrammarBackend(GrammarBackend):
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its own message
-            raise self._error(spec, str(e).strip()) from e
+            raise self.spec_error(spec, str(e).strip()) from e
         return CompiledGrammar(self.name, spec, handle, time.perf_counter() - t0, warnings)
 
     def load(self, payload: str, spec: OutputSpec) -> CompiledGrammar:
@@ -212,8 +212,8 @@ class XGrammarBackend(GrammarBackend):
         if not stuck:
             return
         if stuck[0] == "root":
-            raise self._error(spec, "the spec matches no finite text (it can never be complete)", prefix="refuses")
-        raise self._error(
+            raise self.spec_error(spec, "the spec matches no finite text (it can never be complete)", prefix="refuses")
+        raise self.spec_error(
             spec,
             f"rule(s) {', '.join(stuck[:5])} of its grammar can never end: an output "
             f"that entered one could never be complete",
