@@ -248,7 +248,8 @@ class Engine:
         ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts): the model may
         call them, under ``tool_choice`` "auto" (the default: text or calls), "required", a
         named function ``{"type": "function", "function": {"name": ...}}`` or "none";
-        ``parallel_tool_calls`` (default True) lets it make several calls. Every call in
+        ``parallel_tool_calls`` lets it make several calls (default: True, except for a named
+        function: one call). Every call in
         ``Result.tool_calls`` parses and matches its function's parameters (docs/api.md)."""
         spec_kwargs = _with_tools(spec_kwargs, tools, tool_choice, parallel_tool_calls)
         call = Call.of(messages, params, True, spec_kwargs, raise_on_error=raise_on_error, progress=progress)

@@ -66,11 +66,13 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
     if params is None:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict) or params.get("type", "object") != "object":
-        raise ValueError(f"tools[{i}] ({fn['name']}): parameters must be a JSON Schema of an object, got {params!r}")
+        raise ValueError(
+            f"tools[{i}] (function {fn['name']!r}): parameters must be a JSON Schema of an object, got {params!r}"
+        )
     try:
         params = json.loads(json.dumps(params))  # a deep copy, and proof it is JSON
     except (TypeError, ValueError) as e:
-        raise ValueError(f"tools[{i}] ({fn['name']}): parameters are not JSON: {e}") from e
+        raise ValueError(f"tools[{i}] (function {fn['name']!r}): parameters are not JSON: {e}") from e
     return {**fn, "parameters": params}
 
 
@@ -119,7 +121,9 @@ class ToolPlan:
             )
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
             raise ValueError(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}")
-        parallel = True if parallel_tool_calls is None else parallel_tool_calls
+        # OpenAI's default, several calls, except for one named function: one call, as a
+        # forced function call is (and as instructor and langchain's structured output expect).
+        parallel = choice in ("auto", "required") if parallel_tool_calls is None else parallel_tool_calls
         fmt = format_for_template(tokenizer)
         parameters = {f["name"]: _closed(f["parameters"]) for f in functions}
         spec = None

@@ -37,6 +37,13 @@ class CallFormat:
         contains it, and the first time it is written the output turns into calls."""
         return f'{self.start}{{"name": "'
 
+    @property
+    def marker(self) -> str:
+        """What commits the output to a call: free text never contains it (the start marker,
+        ``<tool_call>``; the trigger for a format without one). A model that begins a call
+        ends up with a call that parses, not with a broken one returned as text."""
+        return self.start.strip() or self.trigger
+
     def write(self, name: str, arguments: Any) -> str:
         """A call as the model writes it (to render an assistant message's tool_calls back)."""
         return f"{self.head(name)}{json.dumps(arguments, ensure_ascii=False)}}}{self.end}"

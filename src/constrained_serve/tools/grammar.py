@@ -4,10 +4,10 @@ parses and matches its function.
 
 - ``"required"`` (or one named function): one call, or with ``parallel_tool_calls`` one or
   more joined by the format's separator; nothing else.
-- ``"auto"``: free text OR calls, in one grammar. Free text (``PLAIN``) never contains the
-  format's trigger (``<tool_call>\\n{"name": "`` for Hermes); the first time the model
-  writes the trigger, after any text or none (a lazy lexeme, ``lead``), the output turns
-  into calls and must go on as one: a known name, arguments that match its schema, the end
+- ``"auto"``: free text OR calls, in one grammar. Free text (``TEXT``) never contains the
+  format's marker (``<tool_call>`` for Hermes); the first time the model writes it, after
+  any text or none (``lead``), the output turns into calls and must go on as one: the rest
+  of the trigger (``\\n{"name": "``), a known name, arguments that match its schema, the end
   marker. The model decides at every token, and whichever way it goes the output parses.
 """
 
@@ -47,8 +47,10 @@ def tool_grammar(functions: Sequence[tuple[str, dict[str, Any]]], fmt: CallForma
     if mode == "auto":
         lines += [
             f"start: PLAIN | lead rest{more}",
-            "PLAIN: /(?s:.+)/ & ~(/(?s:.*)/ TRIGGER /(?s:.*)/)",
-            "lead[lazy]: /(?s:.*)/ TRIGGER",
+            f"MARKER: {_lit(fmt.marker)}",
+            "TEXT: /(?s:.*)/ & ~(/(?s:.*)/ MARKER /(?s:.*)/)",
+            "PLAIN: /(?s:.+)/ & TEXT",
+            "lead[lazy]: TEXT TRIGGER",
         ]
     else:
         lines.append(f"start: TRIGGER rest{more}")
