@@ -148,3 +148,39 @@ def test_a_round_trip_renders_for_a_template_without_tools():
     assert '"name": "get_weather"' in out[0]["content"] and "<tool_call>" in out[0]["content"]
     assert out[2]["content"] == call("get_weather", {"city": "Oslo"}) + "\n" + call("now", {})
     assert out[3]["content"] == "<tool_response>\n12 C\n</tool_response>\n<tool_response>\nnoon\n</tool_response>"
+
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{%- endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}<tool_call>\n"
+    '{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}'
+    "\n</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_takes_tools_renders_them_itself(default_tokenizer):
+    import copy
+
+    from constrained_serve.inputs import RequestBuilder
+
+    tok = copy.copy(default_tokenizer)
+    tok.chat_template = HERMES_TEMPLATE
+    plan = ToolPlan.make(TOOLS, "auto", None, tok)
+    assert plan.takes_tools and plan.fmt is HERMES
+    history = [
+        {"role": "user", "content": "Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "12 C"},
+    ]
+    text = RequestBuilder(tok, len(tok), 4096, grammar=lambda: None).render_chat(history, tools=plan)
+    assert text.startswith('<|im_start|>system\n<tools>{"type": "function", "function": {"name": "get_weather"')
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text  # arguments as an object
+    assert "<|im_start|>tool\n12 C<|im_end|>" in text and "# Tools" not in text  # not our default prompt
