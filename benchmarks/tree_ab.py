@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 from .errors import GrammarError, OutputError, OutputValidationError, PromptTooLongError
 from .params import OutputSpec, SamplingParams
-from .result import Result, Usage
+from .result import Result, ToolCall, Usage
 
 __all__ = [
     "AsyncEngine",
@@ -27,6 +27,7 @@ __all__ = [
     "OutputSpec",
     "Result",
     "SamplingParams",
+    "ToolCall",
     "Usage",
     "generate",
     "default_engine",

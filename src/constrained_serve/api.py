@@ -208,7 +208,10 @@ class Engine:
         raises the output's error instead of reporting it on the Result."""
         if entry.error is not None:
             return entry.error
-        return outputs.result_of(entry.requests, entry.item, raise_on_error, self.core.grammar, self.max_model_len)
+        res = outputs.result_of(entry.requests, entry.item, raise_on_error, self.core.grammar, self.max_model_len)
+        if entry.tools is not None:  # a chat with tools: the calls out of the text
+            entry.tools.fill(res, raise_on_error)
+        return res
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -231,13 +234,24 @@ class Engine:
         messages: Messages | Sequence[Messages],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         progress: bool = False,
         raise_on_error: bool = False,
         **spec_kwargs: Any,
     ) -> list[Result]:
         """Message lists, rendered with the model's chat template. One Result per conversation.
 
-        ``params`` is one SamplingParams for all conversations or a list with one per conversation."""
+        ``params`` is one SamplingParams for all conversations or a list with one per conversation.
+
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts): the model may
+        call them, under ``tool_choice`` "auto" (the default: text or calls), "required", a
+        named function ``{"type": "function", "function": {"name": ...}}`` or "none";
+        ``parallel_tool_calls`` lets it make several calls (default: True, except for a named
+        function: one call). Every call in
+        ``Result.tool_calls`` parses and matches its function's parameters (docs/api.md)."""
+        spec_kwargs = _with_tools(spec_kwargs, tools, tool_choice, parallel_tool_calls)
         call = Call.of(messages, params, True, spec_kwargs, raise_on_error=raise_on_error, progress=progress)
         return list(self._iter(call))
 
@@ -325,3 +339,9 @@ class Engine:
     def conversation(self, system: str | None = None, params: SamplingParams | None = None) -> Conversation:
         """A multi-turn conversation on the cached KV (conversation.py)."""
         return Conversation(self, system=system, params=params)
+
+
+def _with_tools(spec_kwargs: dict[str, Any], tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> dict[str, Any]:
+    """chat()'s tool keywords among the spec keywords (inputs.py reads them there), when given."""
+    given = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
+    return {**spec_kwargs, **{k: v for k, v in given.items() if v is not None}}

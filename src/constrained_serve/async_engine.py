@@ -254,10 +254,16 @@ class AsyncEngine:
         messages: Any,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         raise_on_error: bool = False,
         **spec_kwargs: Any,
     ) -> list[Result]:
-        """As ``Engine.chat``: message lists through the chat template."""
+        """As ``Engine.chat``: message lists through the chat template (with ``tools``, as there)."""
+        from .api import _with_tools
+
+        spec_kwargs = _with_tools(spec_kwargs, tools, tool_choice, parallel_tool_calls)
         return await self._run(Call.of(messages, params, True, spec_kwargs, raise_on_error=raise_on_error))
 
     async def _run(self, call: Call) -> list[Result]:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from .grammar.manager import GrammarManager
+    from .tools import ToolPlan
 
 
 def _per_prompt(key: str, value: Any) -> bool:
@@ -35,6 +36,7 @@ def _per_prompt(key: str, value: Any) -> bool:
 Messages = list[dict[str, Any]]
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None  # one for all items, or one each
 _SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
+_TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")  # chat's tool calling (tools/)
 
 
 def split_chat_messages(messages: Any) -> tuple[list[Messages], bool]:
@@ -72,6 +74,12 @@ def keyword_params(params: Any, spec_kwargs: dict[str, Any]) -> tuple[Any, dict[
         )
     rest = {k: v for k, v in spec_kwargs.items() if k not in _SAMPLING_FIELDS}
     return SamplingParams(**sampling), rest
+
+
+def _compile_timeout(params: ParamsArg) -> float | None:
+    """The longest compile deadline the call's params ask for (None: one of them takes the default)."""
+    timeouts = [p.compile_timeout_s for p in ([params] if not isinstance(params, (list, tuple)) else params) if p]
+    return max(timeouts) if all(timeouts) and timeouts else None
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,7 @@ class Entry:
     item: Any  # the prompt or conversation as given
     requests: list[Request] = field(default_factory=list)
     error: Result | None = None
+    tools: ToolPlan | None = None  # a chat with tools: its Result's tool_calls come from it
 
     @property
     def done(self) -> bool:
@@ -157,6 +166,7 @@ class _CallPlan:
     per_prompt: bool
     shared_spec: OutputSpec | None
     chat: bool
+    tools: ToolPlan | None = None
     template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs: extra chat template variables
 
 
@@ -204,21 +214,35 @@ class RequestBuilder:
             )
 
     def render_chat(
-        self, messages: Messages, add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = True,
+        tools: ToolPlan | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """``messages`` through the chat template; with ``tools``, the tools and any tool
+        messages too (through the template when it takes tools, else our default prompt);
+        ``template_kwargs``: extra template variables (vLLM's chat_template_kwargs)."""
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
         ):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        kw: dict[str, Any] = dict(template_kwargs or {})
+        if tools is not None:
+            messages, template_tools = tools.render(messages)
+            if template_tools is not None:
+                kw["tools"] = template_tools
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
             )
         except Exception as e:  # jinja2 errors, a template's raise_exception(): this item's problem
             raise ValueError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
-    def encode_chat(self, messages: Messages, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        text = self.render_chat(messages, template_kwargs=template_kwargs)
+    def encode_chat(
+        self, messages: Messages, tools: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        text = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
         self._check_text_length(text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -275,11 +299,13 @@ class RequestBuilder:
         return r
 
     @staticmethod
-    def _spec_args(spec_kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-        """(grammar_backend, the output-spec arguments); unknown keywords raise TypeError."""
+    def _spec_args(spec_kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+        """(grammar_backend, the output-spec arguments, the tool arguments); unknown keywords
+        raise TypeError."""
         spec_kwargs = dict(spec_kwargs)
         spec_kwargs.pop("chat_template_kwargs", None)  # not a spec: see _plan
         backend = spec_kwargs.pop("grammar_backend", None)
+        tool_args = {k: spec_kwargs.pop(k) for k in _TOOL_KEYS if k in spec_kwargs}
         if backend is not None and backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {backend!r}")
         spec_args = {
@@ -290,7 +316,7 @@ class RequestBuilder:
         }
         if spec_kwargs:
             raise TypeError(f"unexpected keyword arguments: {sorted(spec_kwargs)}")
-        return backend, spec_args
+        return backend, spec_args, tool_args
 
     def entries(self, call: Call) -> Iterator[Entry]:
         """One Entry per item of ``call``, built as they are read (generate_iter's items may
@@ -304,7 +330,14 @@ class RequestBuilder:
         A bad shared spec raises here, before any model work."""
         items, params, chat, spec_kwargs = call.items, call.params, call.chat, call.spec_kwargs
         params_at = self._params_per_item(items, params)
-        backend, spec_args = self._spec_args(spec_kwargs)
+        backend, spec_args, tool_args = self._spec_args(spec_kwargs)
+        tools = self._tool_plan(chat, tool_args, spec_args, backend)
+        template_kwargs = spec_kwargs.get("chat_template_kwargs")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}")
+        if tools is not None and tools.spec is not None:
+            self._compile_tools(tools, params, backend)
+            return _CallPlan(params_at, backend, [], False, tools.spec, chat, tools, template_kwargs)
         if isinstance(items, list):
             per_item_specs, per_prompt = self._split_specs(len(items), spec_args)
         else:
@@ -316,22 +349,52 @@ class RequestBuilder:
             shared_spec = self.make_spec(**spec_args)  # a bad shared spec raises here
             if shared_spec is not None:
                 # ... and fails before any model work (under the longest compile deadline asked for)
-                timeouts = [
-                    p.compile_timeout_s
-                    for p in ([params] if not isinstance(params, (list, tuple)) else params)
-                    if p is not None
-                ]
-                self.grammar.compile(shared_spec, backend, max(timeouts) if all(timeouts) and timeouts else None)
-        template_kwargs = spec_kwargs.get("chat_template_kwargs")
-        if template_kwargs is not None and not isinstance(template_kwargs, dict):
-            raise TypeError(f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}")
-        return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat, template_kwargs)
+                self.grammar.compile(shared_spec, backend, _compile_timeout(params))
+        return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat, tools, template_kwargs)
+
+    def _tool_plan(
+        self, chat: bool, tool_args: dict[str, Any], spec_args: dict[str, Any], backend: str | None
+    ) -> ToolPlan | None:
+        """The call's tools (tools/), checked: ValueError naming a bad tool, choice or mix."""
+        if all(tool_args.get(k) is None for k in _TOOL_KEYS):
+            return None
+        if not chat:
+            raise TypeError("tools need a chat (chat(), or generate_iter(chat=True)), not raw prompts")
+        from .tools import ToolPlan
+
+        plan = ToolPlan.make(
+            tool_args.get("tools"), tool_args.get("tool_choice"), tool_args.get("parallel_tool_calls"), self.tokenizer
+        )
+        if plan is None or plan.spec is None:
+            return plan
+        given = [k for k in _SPEC_KEYS if spec_args.get(k) is not None]
+        if given and not (given == ["response_format"] and spec_args["response_format"].get("type") == "text"):
+            raise GrammarError(
+                f"tool_choice={plan.choice!r} constrains the output to tool calls (or text): give no "
+                f"{', '.join(given)} with it (or tool_choice='none')"
+            )
+        if (backend or self.grammar.default_backend) != "llguidance":
+            raise GrammarError(
+                "tool calling needs the llguidance grammar backend: its grammar embeds each function's "
+                "parameters schema in a Lark grammar (%json), which xgrammar cannot compile; use "
+                "grammar_backend='llguidance' (xgrammar structural tags are not wired in yet)",
+                backend=backend or self.grammar.default_backend,
+            )
+        return plan
+
+    def _compile_tools(self, tools: ToolPlan, params: ParamsArg, backend: str | None) -> None:
+        """Compile the tool-call grammar now (a bad parameters schema fails here, naming its function)."""
+        timeout = _compile_timeout(params)
+        try:
+            self.grammar.compile(tools.spec, backend, timeout)
+        except GrammarError as e:
+            raise tools.compile_error(e, lambda spec: self.grammar.compile(spec, backend, timeout)) from e
 
     def _requests_for(self, plan: _CallPlan, i: int, item: Any) -> list[Request]:
         """The request(s) of item i of a call: one, or n for SamplingParams(n). A problem of
         this item alone (too long, a bad per-item spec) raises ValueError/TypeError."""
         spec = self.make_spec(**plan.per_item_specs[i]) if plan.per_prompt else plan.shared_spec
-        ids = self.encode_chat(item, plan.template_kwargs) if plan.chat else self._encode_raw(item)
+        ids = self.encode_chat(item, plan.tools, plan.template_kwargs) if plan.chat else self._encode_raw(item)
         p = plan.params_at(i)
         return [self.new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]
 
@@ -339,7 +402,7 @@ class RequestBuilder:
         """Item i's requests, or an error Result for a problem of item i alone (raised instead
         for a bare prompt, or with raise_on_error)."""
         try:
-            return Entry(i, item, self._requests_for(plan, i, item))
+            return Entry(i, item, self._requests_for(plan, i, item), tools=plan.tools)
         except (ValueError, TypeError) as e:
             if call.single or call.raise_on_error:
                 raise

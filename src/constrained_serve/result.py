@@ -23,6 +23,22 @@ class Usage:
 
 
 @dataclass
+class ToolCall:
+    """One tool call of a chat with ``tools`` (see tools/): the function's name and its
+    arguments, which the grammar held to the function's parameters schema and which were
+    validated against it once more."""
+
+    id: str  # "call_<hex>", unique per call
+    name: str
+    arguments: dict[str, Any]  # parsed
+    arguments_json: str  # the same, as a JSON string (OpenAI's function.arguments)
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's message.tool_calls entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments_json}}
+
+
+@dataclass
 class Result:
     text: str
     token_ids: list[int]
@@ -52,6 +68,12 @@ class Result:
     # there: the product over the tokens overlapping the value of their raw probability
     # (forced tokens count as certain, probability 1).
     field_confidence: dict[str, float] | None = None
+    # A chat with tools (Engine.chat(tools=...)): the calls the model made, None when it made
+    # none (it answered in text, tool_choice "auto" or "none"). ``text`` keeps the output as
+    # written, calls included; ``content`` is its text part: all of it without calls, the text
+    # before the first call with them (None when empty). Both None in a chat without tools.
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
     @property
     def ok(self) -> bool:

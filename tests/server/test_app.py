@@ -147,7 +147,8 @@ def test_bad_inputs_are_400_with_an_openai_error_body(served, client):
         (dict(temperature="hot"), "temperature"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(top_p=0), "top_p"),
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tool calling"),
+        (dict(extra_body={"functions": [{"name": "f", "parameters": {}}]}), "functions"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strng"}}}]), "'f'"),
         (dict(extra_body={"guided_regex": "(", "max_tokens": 4}), "regex"),
         (dict(stream=True, n=2), "n must be 1"),
     ]

@@ -31,6 +31,7 @@ from ..result import Result
 from . import protocol as P
 from . import responses as R
 from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyGuard, default_served_name
+from .tools import ToolDeltas
 
 if TYPE_CHECKING:
     from ..async_engine import AsyncEngine, Stream
@@ -123,7 +124,8 @@ def build_app(
         _check_messages(req.messages)
         if req.stream:
             stream = await engine.open_stream(req.messages, params, **specs)
-            return _streamed("chat", stream, name, _include_usage(req))
+            tools = ToolDeltas(tokenizer) if req.tools and req.tool_choice != "none" else None
+            return _streamed("chat", stream, name, _include_usage(req), tools)
         results = await engine.chat(req.messages, params, **specs)
         return _failure(results) or P.chat_response(results, name, tokenizer, req.top_logprobs)
 
@@ -180,7 +182,9 @@ def _include_usage(req: Any) -> bool:
     return bool((req.stream_options or {}).get("include_usage"))
 
 
-def _streamed(kind: str, stream: Stream, model: str, include_usage: bool) -> StreamingResponse:
+def _streamed(
+    kind: str, stream: Stream, model: str, include_usage: bool, tools: ToolDeltas | None = None
+) -> StreamingResponse:
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
 
@@ -191,8 +195,17 @@ def _streamed(kind: str, stream: Stream, model: str, include_usage: bool) -> Str
             yield _sse(P.chunk(kind, rid, model, created, None, None, first=True))
         async for delta, result in stream.events():
             if result is None:
-                yield _sse(P.chunk(kind, rid, model, created, delta, None))
+                if tools is not None:  # a chat with tools: text until the calls start
+                    delta = tools.content(delta)
+                if delta:
+                    yield _sse(P.chunk(kind, rid, model, created, delta, None))
                 continue
+            if tools is not None and result.finish_reason != "abort":
+                rest, calls = tools.finish(result)
+                if rest:
+                    yield _sse(P.chunk(kind, rid, model, created, rest, None))
+                for call in calls:
+                    yield _sse(P.chunk(kind, rid, model, created, None, None, tool_calls=[call]))
             if result.finish_reason == "abort":
                 yield _sse(
                     {

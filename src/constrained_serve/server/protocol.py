@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..params import SamplingParams
 from ..result import Result
+from .tools import message_of, tool_kwargs
 from .vllm_fields import vllm_spec_fields
 
 __all__ = [
@@ -76,12 +77,12 @@ class ChatCompletionRequest(_Body):
     response_format: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
-    # Refused when set: the engine has no tools.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    # Tool calling (server/tools.py); the deprecated functions / function_call are refused.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: passed to the chat template
 
 
@@ -103,13 +104,6 @@ def sampling_params(req: _Body) -> SamplingParams:
     if req.logit_bias:
         raise _refuse("logit_bias")
     if isinstance(req, ChatCompletionRequest):
-        if (
-            req.tools
-            or req.functions
-            or req.tool_choice not in (None, "none")
-            or req.function_call not in (None, "none")
-        ):
-            raise _refuse("tool calling (tools, tool_choice, functions)")
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
@@ -171,6 +165,8 @@ def spec_kwargs(req: _Body) -> dict[str, Any]:
     if req.json_open_objects and specs:
         specs["json_open_objects"] = True
     vllm_spec_fields(req, specs)
+    if isinstance(req, ChatCompletionRequest):
+        specs.update(tool_kwargs(req))
     return specs
 
 
@@ -188,7 +184,9 @@ def usage_of(results: list[Result]) -> dict[str, Any]:
 
 
 def finish_reason(r: Result) -> str:
-    return "length" if r.finish_reason == "length" else "stop"
+    if r.finish_reason == "length":
+        return "length"
+    return "tool_calls" if r.tool_calls else "stop"
 
 
 def _token_logprobs(r: Result, tokenizer: Any, k: int) -> list[dict[str, Any]]:
@@ -221,7 +219,7 @@ def chat_response(results: list[Result], model: str, tokenizer: Any, top_logprob
     for i, r in enumerate(samples):
         choice: dict[str, Any] = {
             "index": i,
-            "message": {"role": "assistant", "content": r.text},
+            "message": message_of(r),
             "logprobs": None,
             "finish_reason": finish_reason(r),
         }
@@ -274,10 +272,14 @@ def chunk(
     delta: str | None,
     finish: str | None,
     first: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk (chat.completion.chunk or text_completion)."""
+    """One streamed chunk (chat.completion.chunk or text_completion); ``tool_calls``: OpenAI's
+    tool-call deltas (server/tools.py)."""
     if kind == "chat":
         d: dict[str, Any] = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+        if tool_calls:
+            d["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
     return {
