@@ -33,7 +33,7 @@ demo: setup
 # cores of the CI machine. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 lint: setup
 	$(PY) -m ruff check src tests benchmarks examples

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from constrained_serve.models.cpu_linear import PackedLinear, bf16_packing_supported, should_pack
+from constrained_serve.kernels import onednn
+from constrained_serve.models.cpu_linear import PackedLinear, should_pack
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -20,7 +21,7 @@ def test_packed_linear_matches_dense(rows, bias):
 
 
 def test_packed_linear_bf16_matches_dense():
-    if not bf16_packing_supported():
+    if not onednn.supports(torch.bfloat16):
         # An AVX2-only CPU (oneDNN cannot pack bf16 there): the loader must not ask it to,
         # so a bf16 model's linears stay torch's (before, Engine(dtype="bfloat16") raised here).
         assert not should_pack(torch.device("cpu"), torch.bfloat16)

@@ -53,7 +53,12 @@ def per_head_onednn(dtype: torch.dtype, device: torch.device) -> bool:
     """fp32 and bf16 on CPU: the per-head oneDNN path (CONSTRAINED_SERVE_CPU_LINEAR=torch
     turns it off, as it does the prepacked linears; fp16 has no fast oneDNN path without
     avx512_fp16)."""
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn.enabled()
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and onednn.enabled()
+        and onednn.supports(dtype)
+    )
 
 
 @dataclass

@@ -15,7 +15,6 @@ emulates it). ``CONSTRAINED_SERVE_CPU_LINEAR=torch`` turns this off.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -56,20 +55,7 @@ class PackedLinear(nn.Module):
 def should_pack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
-    return onednn.enabled() and (dtype != torch.bfloat16 or bf16_packing_supported())
-
-
-@functools.cache
-def bf16_packing_supported() -> bool:
-    """oneDNN packs bf16 weights only on CPUs with avx512bw/vl/dq or avx_ne_convert (an AVX2
-    AMD EPYC refuses with a RuntimeError): asked once, with a tiny weight. Where it refuses,
-    bf16 linears stay torch's ``F.linear``."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), _ROWS_HINT)
-    except RuntimeError as e:
-        logger.info("bf16 linears not prepacked: oneDNN cannot pack bf16 weights on this CPU (%s)", e)
-        return False
-    return True
+    return onednn.enabled() and onednn.supports(dtype)
 
 
 def pack_linears(model: nn.Module) -> int:
