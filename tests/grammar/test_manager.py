@@ -220,7 +220,7 @@ def test_concurrent_compiles_of_one_spec_share_work(tokenizer):
     [
         {"schema": {"$ref": "#/$defs/missing"}},
         {"schema": {"type": "string", "pattern": "(?=a)b"}},
-        {"regex": "a(b"},
+        {"regex": "(?=a)b"},  # valid Python, refused by the backend ("a(b" is refused earlier, unchecked here)
         {"grammar": "start: undefined_rule"},
         {"grammar": 'root ::= "a" undefined_rule', "grammar_syntax": "ebnf"},
     ],
@@ -232,6 +232,12 @@ def test_bad_specs_raise_grammar_error(manager, backend, kwargs):
         fut.result(timeout=30)
     assert err.value.backend == backend and err.value.reason
     assert backend in str(err.value)
+
+
+def test_a_regex_invalid_in_every_dialect_is_refused_before_any_backend():
+    with pytest.raises(GrammarError, match="not a valid regular expression: missing \\)") as err:
+        make_output_spec(regex="a(b")
+    assert err.value.reason and err.value.backend is None
 
 
 def test_strict_refuses_approximation(manager, backend, caplog):

@@ -27,7 +27,13 @@ def test_a_finished_output_is_checked_against_the_spec_as_the_user_reads_it():
     output is reported (OutputValidationError, JSON kept), never passed as valid."""
     from constrained_serve.errors import OutputValidationError
 
-    regex = make_output_spec(regex=r"\w+")
+    # regex= reads \w as ASCII by default, in the grammar and in the check alike ...
+    ascii_regex = make_output_spec(regex=r"\w+")
+    assert parse_output(ascii_regex, "ab_1") == (None, "ab_1")
+    with pytest.raises(OutputValidationError, match="re.fullmatch"):
+        parse_output(ascii_regex, "é日")
+    # ... and as Python's Unicode \w with unicode_classes=True.
+    regex = make_output_spec(regex=r"\w+", unicode_classes=True)
     assert parse_output(regex, "é日") == (None, "é日")
     with pytest.raises(OutputValidationError, match="re.fullmatch"):
         parse_output(regex, "हिंदी")  # Rust's \w takes the combining vowel signs, Python's does not
@@ -43,7 +49,7 @@ def test_a_finished_output_is_checked_against_the_spec_as_the_user_reads_it():
     assert e.value.value == {"b": "a", "k": -2}
     # strict=False accepted the backend's approximation: its outputs stand.
     assert parse_output(make_output_spec(schema=schema, strict=False), '{"b":"a","k":-2}')[0] == {"b": "a", "k": -2}
-    assert parse_output(make_output_spec(regex=r"\w+", strict=False), "हिंदी")[1] == "हिंदी"
+    assert parse_output(make_output_spec(regex=r"\w+", strict=False, unicode_classes=True), "हिंदी")[1] == "हिंदी"
 
 
 def test_the_conformance_check_never_flags_valid_outputs():

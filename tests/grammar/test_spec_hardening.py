@@ -46,6 +46,12 @@ def test_python_invalid_regex_is_refused_as_invalid():
         (r"[\d.]+", "[0-9.]+"),
         (r"[^\w\s]", r"[^0-9A-Za-z_\s]"),
         (r"\D\W", "[^0-9][^0-9A-Za-z_]"),
+        # \D / \W in a class: the one flat class meant, read alike by Python and Rust
+        (r"[a\D]+", "[^0-9]+"),
+        (r"[5\D]", "[^0-46-9]"),
+        (r"[^a\W]", "[0-9A-Z_b-z]"),
+        (r"[^\D]", "[0-9]"),
+        (r"[\d\D]", r"[\s\S]"),
         (r"\\d", r"\\d"),  # an escaped backslash, then d
         (r"\p{Nd}", r"\p{Nd}"),
         (r"\s+", r"\s+"),

@@ -101,24 +101,55 @@ def test_xgrammar_regex_means_what_python_means(manager):
     ):
         c = manager.compile(make_output_spec(regex=rx), "xgrammar")
         assert manager.matches(c, yes) and not manager.matches(c, no), rx
-    # An anchor inside the text (a^b matched "ab"), \G and inline flags are refused; so are
-    # \W, \D and negated classes with \w/\d, which xgrammar reads as ASCII complements ("é").
-    for rx in (
-        "a^b",
-        "a$b",
-        "(a$|b)c",
-        r"a\G",
-        "(?s:a.b)",
-        "(^a)+",
-        "(?:^a|b)*",
-        r"\W",
-        r"a\D+",
-        r"[^\w]",
-        r"[x\W]",
-        r"[^a\d]",
+    # An anchor inside the text (a^b matched "ab"), \G and inline flags are refused; so are,
+    # with unicode_classes=True (Python's Unicode \w and \d), \W, \D and negated classes
+    # with \w/\d, which xgrammar reads as ASCII complements ("é").
+    for rx, unicode in (
+        ("a^b", False),
+        ("a$b", False),
+        ("(a$|b)c", False),
+        (r"a\G", False),
+        ("(?s:a.b)", False),
+        ("(^a)+", False),
+        ("(?:^a|b)*", False),
+        (r"\W", True),
+        (r"a\D+", True),
+        (r"[^\w]", True),
+        (r"[x\W]", True),
+        (r"[^a\d]", True),
     ):
         with pytest.raises(GrammarError, match="as Python reads it"):
-            manager.compile(make_output_spec(regex=rx), "xgrammar")
+            manager.compile(make_output_spec(regex=rx, unicode_classes=unicode), "xgrammar")
+
+
+@pytest.mark.parametrize(
+    "rx, yes, no",
+    [
+        (r"\W+", ["é", "٣", "!"], ["a", "_", "5"]),
+        (r"a\D+", ["a٣", "ab"], ["a5"]),
+        (r"[^\w]", ["é", " "], ["a", "0"]),
+        (r"[x\W]", ["x", "é"], ["y", "5"]),
+        (r"[^a\d]", ["b", "٣"], ["a", "5"]),
+        (r"[^a\W]+", ["b5_Z"], ["a", "é"]),
+    ],
+)
+def test_ascii_classes_are_read_alike_by_both_backends_and_python(manager, rx, yes, no):
+    r"""regex= reads \w and \d as ASCII by default (ascii_classes.py): xgrammar's reading, so
+    what it refused under unicode_classes=True compiles, and both backends and Python's re
+    (the final check) take and refuse the same texts."""
+    import re
+
+    from constrained_serve.grammar import parse_output
+
+    spec = make_output_spec(regex=rx)
+    for backend in ("xgrammar", "llguidance"):
+        c = manager.compile(spec, backend)
+        assert not c.warnings
+        for text in yes:
+            assert manager.matches(c, text) and re.fullmatch(spec.text, text), (backend, rx, text)
+            assert parse_output(spec, text)[1] == text
+        for text in no:
+            assert not manager.matches(c, text) and not re.fullmatch(spec.text, text), (backend, rx, text)
 
 
 @pytest.mark.parametrize(
@@ -133,15 +164,16 @@ def test_xgrammar_regex_means_what_python_means(manager):
     ],
 )
 def test_xgrammar_strict_false_accepts_its_looser_regex_reading(manager, caplog, rx, text):
-    """What xgrammar reads only more loosely than Python (ASCII \\W; anchors it ignores) is an
-    error under strict=True and, under strict=False, compiles with a warning, as a schema
-    keyword it drops does. The text shows the approximation is real: Python refuses it."""
+    """What xgrammar reads only more loosely than Python (ASCII \\W where unicode_classes=True
+    asks for Python's Unicode one; anchors it ignores) is an error under strict=True and, under
+    strict=False, compiles with a warning, as a schema keyword it drops does. The text shows
+    the approximation is real: Python refuses it."""
     import re
 
     with pytest.raises(GrammarError, match="strict=False accepts"):
-        manager.compile(make_output_spec(regex=rx), "xgrammar")
+        manager.compile(make_output_spec(regex=rx, unicode_classes=True), "xgrammar")
     with caplog.at_level(logging.WARNING, logger="constrained_serve.grammar.xgrammar"):
-        loose = manager.compile(make_output_spec(regex=rx, strict=False), "xgrammar")
+        loose = manager.compile(make_output_spec(regex=rx, strict=False, unicode_classes=True), "xgrammar")
     assert loose.warnings and "xgrammar approximates regex spec" in caplog.text
     assert manager.matches(loose, text) and re.fullmatch(rx, text) is None
 

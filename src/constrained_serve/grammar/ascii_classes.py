@@ -6,9 +6,10 @@ digit (U+1FBF8 "🯸" among them) and ``\\w`` any Unicode word character. A JSON
 of Outlines and xgrammar expect the same of ``regex=``. So both are rewritten here:
 
 - ``\\d`` -> ``[0-9]``, ``\\w`` -> ``[0-9A-Za-z_]``, ``\\D`` / ``\\W`` -> their negations;
-- inside a class, ``\\d`` and ``\\w`` become their ranges (``[\\d.]`` -> ``[0-9.]``); a
-  ``\\D`` or ``\\W`` inside a class (no flat rewrite) becomes a nested class, which the
-  backends' Rust syntax reads.
+- inside a class, ``\\d`` and ``\\w`` become their ranges (``[\\d.]`` -> ``[0-9.]``); a class
+  holding ``\\D`` or ``\\W`` becomes the one flat class it means (``[a\\D]`` -> ``[^0-9]``,
+  ``[^a\\W]`` -> ``[0-9A-Z_b-z]``), so that the backends and Python's ``re`` (the final output
+  check) read it alike; only a class already in Rust-only syntax keeps a nested class.
 
 ``\\s`` is left as it is (Unicode whitespace in ECMA-262 too). ``regex=`` with
 ``unicode_classes=True`` keeps the backend's Unicode meaning; ``\\p{Nd}`` / ``\\p{L}`` ask for
@@ -27,35 +28,82 @@ _FLAT = {"d": "0-9", "w": "0-9A-Za-z_"}
 _OUTSIDE = {"\\d": "[0-9]", "\\w": "[0-9A-Za-z_]", "\\D": "[^0-9]", "\\W": "[^0-9A-Za-z_]"}
 
 
+_DIGITS = "0123456789"
+_SETS = {"D": frozenset(_DIGITS), "W": frozenset(_DIGITS + "ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz")}
+
+
 def _class(token: str) -> str:
-    out, j, end = ["["], 1, len(token) - 1
     if not token.endswith("]"):
         return token  # an unterminated class: the backend reports it
-    if token.startswith("^", j):
-        out.append("^")
-        j += 1
+    j, end = 1, len(token) - 1
+    negated = token.startswith("^", j)
+    j += negated
+    items: list[str] = []  # the class's other items, \d and \w as ranges
+    complements: list[str] = []  # the \D and \W in it
+    nested = False
     if token.startswith("]", j):
-        out.append("]")
+        items.append("\\]")
         j += 1
     while j < end:
         if token[j] == "\\":
             k = escape_end(token, j)
             esc = token[j:k]
             if esc[1:] in _FLAT:
-                out.append(_FLAT[esc[1:]])
-            elif esc[1:] in ("D", "W"):
-                out.append(_OUTSIDE[esc])
+                items.append(_FLAT[esc[1:]])
+            elif esc[1:] in _SETS:
+                complements.append(esc[1:])
             else:
-                out.append(esc)
+                items.append(esc)
             j = k
         elif token[j] == "[":  # a nested class (Rust syntax): rewrite it too
             k = class_end(token, j)
-            out.append(_class(token[j:k]))
+            items.append(_class(token[j:k]))
+            nested = True
             j = k
         else:
-            out.append(token[j])
+            items.append(token[j])
             j += 1
-    out.append("]")
+    if not complements:
+        return "[" + "^" * negated + "".join(items) + "]"
+    flat = _resolve(items, complements, negated) if not nested else None
+    if flat is not None:
+        return flat
+    # Rust's class union, which only the backends read (the class had Rust syntax already).
+    return "[" + "^" * negated + "".join(items) + "".join(_OUTSIDE["\\" + c] for c in complements) + "]"
+
+
+def _resolve(items: list[str], complements: list[str], negated: bool) -> str | None:
+    """A class holding \\D or \\W as one flat class that every dialect reads alike: the class
+    [X\\D] is everything but the digits X lacks, [^X\\D] the digits X lacks (and so for \\W and
+    its 63 ASCII word characters). None where Python cannot read X (Rust-only syntax)."""
+    import re
+    import warnings
+
+    body = "".join(items)
+    left = frozenset.intersection(*(_SETS[c] for c in complements))
+    if body:
+        if body.startswith("^"):
+            body = "\\" + body
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FutureWarning)  # a POSIX class or set operation
+                x = re.compile("[" + body + "]")
+        except (re.error, FutureWarning):
+            return None
+        left = frozenset(c for c in left if not x.fullmatch(c))
+    if not left:  # every digit (word character) in X: [X\\D] is anything, [^X\\D] nothing
+        return None if negated else r"[\s\S]"
+    return "[" + ("" if negated else "^") + _ranges(sorted(left)) + "]"
+
+
+def _ranges(chars: list[str]) -> str:
+    out, i = [], 0
+    while i < len(chars):
+        k = i
+        while k + 1 < len(chars) and ord(chars[k + 1]) == ord(chars[k]) + 1:
+            k += 1
+        out.append(chars[i] if k == i else chars[i] + ("" if k == i + 1 else "-") + chars[k])
+        i = k + 1
     return "".join(out)
 
 
