@@ -30,101 +30,14 @@ import jsonschema
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.tools.tool_set: the tools and their few-shot turns
 from common import engine_parser, median, save, timed  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
+from tests.tools.tool_set import FEW_SHOT, SCHEMAS, TOOLS  # noqa: E402
 
 DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 40},
-                    "unit": {"enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "book_flight",
-            "description": "Book a flight",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "route": {
-                        "type": "object",
-                        "properties": {
-                            "from": {"type": "string", "minLength": 3, "maxLength": 3},
-                            "to": {"type": "string", "minLength": 3, "maxLength": 3},
-                        },
-                        "required": ["from", "to"],
-                    },
-                    "passengers": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "properties": {
-                                "name": {"type": "string", "maxLength": 30},
-                                "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                            },
-                            "required": ["name"],
-                        },
-                        "minItems": 1,
-                        "maxItems": 3,
-                    },
-                },
-                "required": ["route", "passengers"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "ship_parcel",
-            "description": "Ship a parcel to an address",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "to": {"$ref": "#/$defs/address"},
-                    "kg": {"type": "number", "minimum": 0, "maximum": 30},
-                },
-                "required": ["to", "kg"],
-                "$defs": {
-                    "address": {
-                        "type": "object",
-                        "properties": {
-                            "street": {"type": "string", "maxLength": 40},
-                            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-                        },
-                        "required": ["street", "zip"],
-                    }
-                },
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the web",
-            "parameters": {
-                "type": "object",
-                "properties": {"query": {"type": "string", "maxLength": 60}},
-                "required": ["query"],
-            },
-        },
-    },
-]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 TOOL_ASKS = [
     "What is the weather in Paris?",
     "Book a flight from JFK to LAX for Ann, 34.",
@@ -134,19 +47,6 @@ TOOL_ASKS = [
 TEXT_ASKS = ["Tell me a joke.", "What is 2 + 2?", "Hi!", "Write one line about the sea."]
 
 
-def _called(name: str, args: dict) -> dict:
-    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-    return {"role": "assistant", "content": None, "tool_calls": [call]}
-
-
-FEW_SHOT = [
-    {"role": "user", "content": "What is the weather in Rome?"},
-    _called("get_weather", {"city": "Rome"}),
-    {"role": "user", "content": "Search the web for cheap hotels."},
-    _called("search", {"query": "cheap hotels"}),
-    {"role": "user", "content": "Book a flight from SFO to SEA for Bob."},
-    _called("book_flight", {"route": {"from": "SFO", "to": "SEA"}, "passengers": [{"name": "Bob"}]}),
-]
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 

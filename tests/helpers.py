@@ -18,3 +18,12 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+def deep_schema(n: int) -> dict:
+    """An object schema nested ``n`` levels deep (one property in each)."""
+    root = node = {"type": "object"}
+    for _ in range(n):
+        node["properties"] = {"a": {"type": "object"}}
+        node = node["properties"]["a"]
+    return root

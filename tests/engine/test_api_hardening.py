@@ -9,6 +9,8 @@ from pydantic import BaseModel
 
 from constrained_serve import GrammarError, SamplingParams
 
+from ..helpers import deep_schema as _deep
+
 
 class Person(BaseModel):
     name: str
@@ -16,14 +18,6 @@ class Person(BaseModel):
 
 
 PEOPLE = [{"role": "user", "content": "List the people as JSON: Ann is 22, Bob is 45."}]
-
-
-def _deep(n: int) -> dict:
-    root = node = {"type": "object"}
-    for _ in range(n):
-        node["properties"] = {"a": {"type": "object"}}
-        node = node["properties"]["a"]
-    return root
 
 
 @pytest.mark.timeout(300)

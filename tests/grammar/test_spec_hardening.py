@@ -10,13 +10,7 @@ from constrained_serve.errors import GrammarError
 from constrained_serve.grammar.ascii_classes import ascii_classes, ascii_schema_patterns
 from constrained_serve.grammar.spec import MAX_SCHEMA_DEPTH, make_output_spec
 
-
-def _deep(n: int) -> dict:
-    root = node = {"type": "object"}
-    for _ in range(n):
-        node["properties"] = {"a": {"type": "object"}}
-        node = node["properties"]["a"]
-    return root
+from ..helpers import deep_schema as _deep
 
 
 @pytest.mark.parametrize("form", ["dict", "text"])
