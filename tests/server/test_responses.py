@@ -1,6 +1,6 @@
 """/v1/responses (server/responses.py), driven by the official ``openai`` client: string and
 message input, instructions, text.format (json_schema strict, json_object), responses.parse,
-the typed event stream, max_output_tokens, and what is refused (previous_response_id, tools)."""
+the typed event stream, max_output_tokens, and what is refused (previous_response_id, tools that are not functions)."""
 
 from __future__ import annotations
 
@@ -136,15 +136,21 @@ def test_refusals_are_openai_errors(served, client):
     assert "previous_response_id" in e.value.message and e.value.body["type"] == "invalid_request_error"
     tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="tiny", input="hi", tools=[tool])
-    assert "function tools on /v1/responses are not supported yet" in e.value.message
+        client.responses.create(model="tiny", input="hi", tools=[{"type": "file_search", "vector_store_ids": []}])
+    assert "file_search" in e.value.message and "function tools only" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="hi", tool_choice="required")
+    assert "needs tools" in e.value.message
     r = client.responses.create(model="tiny", input="hi", tools=[tool], tool_choice="none", max_output_tokens=2)
     assert r.status in ("completed", "incomplete")  # tools that must not be called are ignored
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="tiny", input="hi", extra_body={"no_such_field": 1})
     assert "no_such_field" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="tiny", input=[{"type": "function_call_output", "call_id": "x", "output": "1"}])
-    assert "function_call_output" in e.value.message
+        client.responses.create(model="tiny", input=[{"type": "reasoning", "summary": []}])
+    assert "reasoning" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input=[{"type": "function_call_output", "output": "1"}])
+    assert "call_id" in e.value.message
     resp = httpx.get(f"{served.url}/v1/nothing-here")
     assert resp.status_code == 404 and resp.json()["error"]["type"] == "invalid_request_error"

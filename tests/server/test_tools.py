@@ -145,6 +145,7 @@ def test_each_tool_choice(client):
 def test_streamed_tool_calls(client):
     def stream(content, **kw):
         text, calls, finish = "", {}, None
+        pieces = 0
         for ev in ask(client, content, FEW_SHOT, stream=True, temperature=0, **kw):
             d = ev.choices[0].delta
             text += d.content or ""
@@ -153,7 +154,9 @@ def test_streamed_tool_calls(client):
                 entry["id"] = t.id or entry["id"]
                 entry["name"] += (t.function.name or "") if t.function else ""
                 entry["arguments"] += (t.function.arguments or "") if t.function else ""
+                pieces += bool(t.function and t.function.arguments)
             finish = ev.choices[0].finish_reason or finish
+        assert not calls or pieces > len(calls)  # arguments arrive as they are written, not at the end
         return text, calls, finish
 
     text, calls, finish = stream("What is the weather in Oslo?")
@@ -239,3 +242,83 @@ def test_langchain_openai(served):
         "Ann is 34. Answer in JSON with her name and age."
     )
     assert isinstance(value, dict)
+
+
+# ------------------------------------------------------------------ /v1/responses with tools
+
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat shape
+
+
+def responses_history() -> list[dict]:
+    """FEW_SHOT as Responses input items: the assistant's calls are function_call items."""
+    items = []
+    for m in FEW_SHOT:
+        if m["role"] == "user":
+            items.append({"role": "user", "content": m["content"]})
+        for c in m.get("tool_calls") or []:
+            fn = c["function"]
+            items.append(
+                {"type": "function_call", "call_id": c["id"], "name": fn["name"], "arguments": fn["arguments"]}
+            )
+    return items
+
+
+def calls_of(response) -> list:
+    calls = [o for o in response.output if o.type == "function_call"]
+    for c in calls:
+        assert c.call_id.startswith("call_") and c.id.startswith("fc_") and c.status == "completed"
+        jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+    return calls
+
+
+@pytest.mark.timeout(600)
+def test_responses_function_tools(client):
+    def create(content, **kw):
+        kw.setdefault("tools", RESPONSES_TOOLS)
+        kw.setdefault("max_output_tokens", 80)
+        return client.responses.create(
+            model="smol", input=[*responses_history(), {"role": "user", "content": content}], **kw
+        )
+
+    r = create("What is the weather in Paris?", temperature=0)  # auto
+    assert [c.name for c in calls_of(r)] == ["get_weather"] and r.status == "completed"
+    r = create("Hello", tool_choice={"type": "function", "name": "search"}, temperature=1.0)
+    assert [o.type for o in r.output] == ["function_call"] and [c.name for c in calls_of(r)] == ["search"]
+    r = create("Tell me a joke.", tool_choice="required", parallel_tool_calls=False, temperature=1.0)
+    assert len(calls_of(r)) == 1
+    r = create("Hello", tool_choice="none", max_output_tokens=10)
+    assert not calls_of(r) and r.output[0].type == "message"
+
+    # a two-turn loop: the call and its output go back as input items
+    first = create("What is the weather in Paris?", temperature=0)
+    [call] = calls_of(first)
+    history = [*responses_history(), {"role": "user", "content": "What is the weather in Paris?"}]
+    history += [
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, cloudy"},
+    ]
+    r = client.responses.create(model="smol", input=history, tools=RESPONSES_TOOLS, temperature=0, max_output_tokens=60)
+    assert not calls_of(r) and r.output_text
+
+    # streamed: text events, then the call as it is written
+    events = list(
+        client.responses.create(
+            model="smol",
+            input=[*responses_history(), {"role": "user", "content": "What is the weather in Oslo?"}],
+            tools=RESPONSES_TOOLS,
+            temperature=0,
+            max_output_tokens=80,
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    final = events[-1].response
+    [item] = calls_of(final)
+    assert len(deltas) > 1 and "".join(deltas) == done.arguments == item.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    with pytest.raises(openai.BadRequestError, match="web_search"):
+        client.responses.create(model="smol", input="x", tools=[{"type": "web_search"}])

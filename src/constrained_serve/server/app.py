@@ -195,17 +195,18 @@ def _streamed(
             yield _sse(P.chunk(kind, rid, model, created, None, None, first=True))
         async for delta, result in stream.events():
             if result is None:
-                if tools is not None:  # a chat with tools: text until the calls start
-                    delta = tools.content(delta)
+                calls: list[dict[str, Any]] = []
+                if tools is not None:  # a chat with tools: text until the calls start, then calls
+                    delta, calls = tools.feed(delta)
                 if delta:
                     yield _sse(P.chunk(kind, rid, model, created, delta, None))
-                continue
-            if tools is not None and result.finish_reason != "abort":
-                rest, calls = tools.finish(result)
-                if rest:
-                    yield _sse(P.chunk(kind, rid, model, created, rest, None))
                 for call in calls:
                     yield _sse(P.chunk(kind, rid, model, created, None, None, tool_calls=[call]))
+                continue
+            if tools is not None and result.finish_reason != "abort":
+                rest = tools.finish()
+                if rest:
+                    yield _sse(P.chunk(kind, rid, model, created, rest, None))
             if result.finish_reason == "abort":
                 yield _sse(
                     {

@@ -17,16 +17,19 @@ and ``conversation`` are refused with a 400 naming them; send the history in ``i
   ``response.content_part.done``, ``response.output_item.done``, then
   ``response.completed``, or ``response.incomplete`` / ``response.failed``), as server-sent
   events with ``event:`` lines and a ``sequence_number`` each.
-- Function ``tools`` are refused (400) unless ``tool_choice`` is ``"none"`` (then ignored):
-  tool calling on this endpoint is not implemented yet.
+- Function ``tools`` with ``tool_choice`` (``"auto"``, the default, ``"required"``, ``"none"``,
+  or ``{"type": "function", "name"}``) and ``parallel_tool_calls``: the calls are
+  ``function_call`` output items that always parse and match their parameters; earlier calls
+  and their results come back in ``input`` as ``function_call`` / ``function_call_output``
+  items (server/responses_tools.py). A stream sends the text before the calls as text deltas,
+  then each call as ``response.output_item.added``, ``response.function_call_arguments.delta``
+  / ``.done`` and ``response.output_item.done``.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -34,6 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..params import SamplingParams
 from ..result import Result
+from .responses_stream import events, status_of, text_part
+from .responses_tools import call_item, chat_tool_kwargs, history_item, is_tool_item
+from .tools import ToolDeltas
 
 if TYPE_CHECKING:
     from ..async_engine import AsyncEngine
@@ -84,8 +90,13 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         return [*out, {"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
         kind = item.get("type", "message")
+        if is_tool_item(item):
+            history_item(i, item, out)
+            continue
         if kind != "message":
-            raise ValueError(f"input[{i}]: items of type {kind!r} are not supported (messages only)")
+            raise ValueError(
+                f"input[{i}]: items of type {kind!r} are not supported (message, function_call, function_call_output)"
+            )
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
             raise ValueError(f"input[{i}]: 'role' must be user, assistant, system or developer, got {role!r}")
@@ -116,13 +127,6 @@ def _check(req: ResponsesRequest) -> None:
         raise ValueError("conversation is not supported: this server stores no conversations; send the turns in input")
     if req.background:
         raise ValueError("background is not supported by this server")
-    if req.tools and req.tool_choice != "none":
-        raise ValueError(
-            "function tools on /v1/responses are not supported yet (give tool_choice: 'none' to send tools "
-            "that must not be called)"
-        )
-    if req.tool_choice not in (None, "none", "auto") and not req.tools:
-        raise ValueError(f"tool_choice {req.tool_choice!r} needs tools, which are not supported yet")
     if req.top_logprobs:
         raise ValueError("top_logprobs is not supported on /v1/responses")
 
@@ -188,7 +192,7 @@ class _Builder:
 
     def message(self, text: str | None, status: str) -> dict[str, Any]:
         """The output message item; ``text`` None: just added, no content part yet."""
-        content = [] if text is None else [_text_part(text)]
+        content = [] if text is None else [text_part(text)]
         return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
     def response(self, status: str, result: Result | None = None) -> dict[str, Any]:
@@ -223,7 +227,9 @@ class _Builder:
             out["error"] = {"code": "server_error", "message": f"{result.error_type}: {result.error}"}
         else:
             item_status = "incomplete" if status == "incomplete" else "completed"
-            out["output"] = [self.message(result.text, item_status)]
+            text = result.content if result.tool_calls else result.text
+            out["output"] = [self.message(text, item_status)] if text or not result.tool_calls else []
+            out["output"] += [call_item(c) for c in result.tool_calls or []]
         if status == "incomplete":
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         out["completed_at"] = int(time.time()) if status == "completed" else None
@@ -238,59 +244,22 @@ class _Builder:
         return out
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _status(result: Result) -> str:
-    if result.finish_reason == "abort":
-        return "failed"
-    return "incomplete" if result.finish_reason == "length" else "completed"
-
-
 async def respond(req: ResponsesRequest, engine: AsyncEngine, model: str) -> Any:
     """The response (a dict), the event stream, or an error body for a request that failed
     while it decoded. Bad input raises ValueError/TypeError (the app's 400 handlers)."""
     _check(req)
     messages, params, specs = _messages(req), _params(req), _specs(req)
+    tools = chat_tool_kwargs(req.tools, req.tool_choice, req.parallel_tool_calls)
+    specs.update(tools)
     builder = _Builder(req, model)
     if req.stream:
         stream = await engine.open_stream(messages, params, **specs)
-        return StreamingResponse(_events(builder, stream), media_type="text/event-stream")
+        deltas = ToolDeltas(engine.tokenizer) if tools and tools.get("tool_choice") != "none" else None
+        return StreamingResponse(events(builder, stream, deltas), media_type="text/event-stream")
     [result] = await engine.chat(messages, params, **specs)
     if result.finish_reason == "abort":
         if result.error_type in ("PromptTooLongError", "GrammarError", "ValueError", "TypeError"):
             return _error(400, f"{result.error_type}: {result.error}", "invalid_request_error", result.error_type)
         message = f"the request failed while decoding: {result.error_type}: {result.error}"
         return _error(500, message, "server_error", result.error_type)
-    return builder.response(_status(result), result)
-
-
-async def _events(b: _Builder, stream: Any) -> AsyncIterator[str]:
-    seq = 0
-
-    def event(kind: str, **fields: Any) -> str:
-        nonlocal seq
-        payload = {"type": kind, "sequence_number": seq, **fields}
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    where = {"item_id": b.item_id, "output_index": 0, "content_index": 0}
-    yield event("response.created", response=b.response("in_progress"))
-    yield event("response.in_progress", response=b.response("in_progress"))
-    yield event("response.output_item.added", output_index=0, item=b.message(None, "in_progress"))
-    yield event("response.content_part.added", **where, part=_text_part(""))
-    async for delta, result in stream.events():
-        if result is None:
-            if delta:
-                yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
-            continue
-        status = _status(result)
-        if status == "failed":
-            yield event("response.failed", response=b.response("failed", result))
-            return
-        item_status = "incomplete" if status == "incomplete" else "completed"
-        yield event("response.output_text.done", **where, text=result.text, logprobs=[])
-        yield event("response.content_part.done", **where, part=_text_part(result.text))
-        yield event("response.output_item.done", output_index=0, item=b.message(result.text, item_status))
-        yield event(f"response.{status}", response=b.response(status, result))
+    return builder.response(status_of(result), result)

@@ -4,11 +4,11 @@
 deltas.
 
 A stream sends its text as content deltas until the call format's trigger
-(``<tool_call>\\n{"name": "`` for Hermes) appears; from there the output is calls, which are
-sent when it ends, each as OpenAI's deltas: first ``{index, id, type: "function", function:
-{name, arguments: ""}}``, then its arguments. A piece of text that may be the start of the
-trigger is held back until the next delta tells. A stream whose calls did not complete (cut
-by max_tokens) sends the held-back text as content, as the non-streamed response does.
+(``<tool_call>\\n{"name": "`` for Hermes) appears; from there the output is calls, sent as
+they are written (tools/stream.py), as OpenAI's deltas: first ``{index, id, type:
+"function", function: {name, arguments: ""}}`` once the name is complete, then pieces of its
+arguments. A stream cut by max_tokens inside a call ends with that call's arguments
+incomplete and finish_reason "length", as OpenAI's do.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from ..result import Result
 from ..tools.formats import format_for_template
+from ..tools.stream import CallDelta, CallStream
 
 __all__ = ["ToolDeltas", "message_of", "tool_kwargs"]
 
@@ -41,40 +42,22 @@ def message_of(r: Result) -> dict[str, Any]:
 
 
 class ToolDeltas:
-    """One stream's text deltas split into content (sent at once) and calls (sent at the end)."""
+    """One stream's text deltas -> content deltas and OpenAI's tool-call deltas, as written."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.trigger = format_for_template(tokenizer).trigger
-        self._held = ""  # text not sent yet: a possible start of the trigger, or the calls
-        self._in_calls = False
+        self.calls = CallStream(format_for_template(tokenizer))
 
-    def content(self, delta: str) -> str:
-        """What of ``delta`` to send as content now."""
-        self._held += delta
-        if self._in_calls:
-            return ""
-        at = self._held.find(self.trigger)
-        if at >= 0:
-            out, self._held, self._in_calls = self._held[:at], self._held[at:], True
-            return out
-        keep = next(
-            (
-                k
-                for k in range(min(len(self.trigger) - 1, len(self._held)), 0, -1)
-                if self._held.endswith(self.trigger[:k])
-            ),
-            0,
-        )
-        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
-        return out
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """(the content to send now, the tool-call deltas to send now)."""
+        content, calls = self.calls.feed(delta)
+        return content, [_openai_delta(c) for c in calls]
 
-    def finish(self, r: Result) -> tuple[str, list[dict[str, Any]]]:
-        """(the content still to send, the tool-call deltas) once the output has ended."""
-        if not r.tool_calls:
-            held, self._held = self._held, ""
-            return held, []
-        deltas: list[dict[str, Any]] = []
-        for i, c in enumerate(r.tool_calls):
-            deltas.append({"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}})
-            deltas.append({"index": i, "function": {"arguments": c.arguments_json}})
-        return "", deltas
+    def finish(self) -> str:
+        """The content still held back once the output has ended ("" after calls)."""
+        return self.calls.close()
+
+
+def _openai_delta(c: CallDelta) -> dict[str, Any]:
+    if c.id is not None:  # the head: id, type and name, arguments to follow
+        return {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+    return {"index": c.index, "function": {"arguments": c.arguments}}
