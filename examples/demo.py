@@ -1,12 +1,15 @@
 """`make demo`: run the JSONL extraction CLI on examples/tickets.jsonl with the default model.
 
-It extracts kind / summary / sentiment / rating / urgent / keywords from 36 short support
-tickets, product reviews and invoices (schema: examples/extract.schema.json; instructions
-with five worked examples: examples/demo_instructions.txt), writes
-build/demo/tickets.out.jsonl, then prints a few rows. The CLI prints its own summary
-(rows ok / failed / truncated, valid rate, throughput) to stderr. Each input row carries
-its expected kind / sentiment / rating (never sent to the model); the demo ends with how
-many rows the model labelled right: kind and sentiment equal, rating within one.
+It copies who and what 50 short support tickets, product reviews and invoices name (person,
+company, order or invoice number, amount, email, due date; schema:
+examples/extract.schema.json; instructions with three worked examples:
+examples/demo_instructions.txt) twice: with grounding on (``--grounded --spans``: every value
+must be a verbatim span of the row's text) into build/demo/tickets.out.jsonl, and without
+into build/demo/tickets.ungrounded.out.jsonl. The CLI prints its own summary (rows ok /
+failed / truncated, valid rate, throughput) to stderr. Each input row carries the values a
+person wrote down before any run (never sent to the model); the demo ends with how many
+fields each run got exactly right, per field, and the share of grounded values that are
+verbatim spans of their text (100% by construction).
 
     python examples/demo.py [--max-tokens N] [--limit N]
 """
@@ -40,74 +43,81 @@ def main() -> int:
         fd, source = tempfile.mkstemp(suffix=".jsonl", dir=args.out_dir)
         with os.fdopen(fd, "w") as f:
             f.writelines(head)
-    out = os.path.join(args.out_dir, "tickets.out.jsonl")
-    if os.path.exists(out):
-        os.remove(out)  # a demo starts fresh; a real job would resume instead
-
-    print(
-        f"constrained-serve extract {os.path.relpath(source)} --schema examples/extract.schema.json "
-        f'--instructions "$(cat examples/demo_instructions.txt)" -o {os.path.relpath(out)}'
-    )
-    sys.stdout.flush()
     with open(os.path.join(HERE, "demo_instructions.txt")) as f:
         instructions = f.read()
-    status = cli(
-        [
-            "extract",
-            source,
-            "--schema",
-            os.path.join(HERE, "extract.schema.json"),
-            "-o",
-            out,
-            "--instructions",
-            instructions,
-            "--max-tokens",
-            str(args.max_tokens),
-        ]
-    )
-    if status != 0:
-        return status
+    runs = {}
+    for name, flags in (("grounded", ["--grounded", "--spans"]), ("ungrounded", [])):
+        out = os.path.join(args.out_dir, "tickets.out.jsonl" if flags else "tickets.ungrounded.out.jsonl")
+        if os.path.exists(out):
+            os.remove(out)  # a demo starts fresh; a real job would resume instead
+        print(
+            f"constrained-serve extract {os.path.relpath(source)} --schema examples/extract.schema.json "
+            f'--instructions "$(cat examples/demo_instructions.txt)" {" ".join(flags)} -o {os.path.relpath(out)}'
+        )
+        sys.stdout.flush()
+        argv = ["extract", source, "--schema", os.path.join(HERE, "extract.schema.json"), "-o", out]
+        status = cli([*argv, "--instructions", instructions, "--max-tokens", str(args.max_tokens), *flags])
+        if status != 0:
+            return status
+        with open(out) as f:
+            runs[name] = [json.loads(line) for line in f]
 
-    with open(out) as f:
-        rows = [json.loads(line) for line in f]
     texts, expected = {}, {}
     with open(source) as f:
         for line in f:
             rec = json.loads(line)
             texts[rec["id"]] = rec["text"]
             expected[rec["id"]] = rec.get("expected")
-    print(f"\n{len(rows)} rows in {os.path.relpath(out)}; the first few:\n")
+    rows = runs["grounded"]
+    print(f"\n{len(rows)} rows in {os.path.relpath(args.out_dir)}/tickets.out.jsonl; the first few:\n")
     for row in rows[:4]:
         print(f"[{row['id']}] {texts.get(row['id'], '')[:90]}")
         print("   ->", json.dumps(row.get("output", row.get("error")), ensure_ascii=False))
+        print("   spans:", json.dumps(row.get("spans"), ensure_ascii=False))
     print()
-    print(accuracy(rows, expected))
+    print(accuracy(runs, expected, texts))
     if args.limit is not None:
         os.remove(source)
     return 0
 
 
-def accuracy(rows: list[dict], expected: dict) -> str:
-    """How many rows have the expected labels: kind and sentiment equal, rating within one."""
-    n = right = 0
-    fields = {"kind": 0, "sentiment": 0, "rating": 0}
-    for row in rows:
-        want, got = expected.get(row["id"]), row.get("output") or {}
-        if not want:
-            continue
-        n += 1
-        ok = {
-            "kind": got.get("kind") == want["kind"],
-            "sentiment": got.get("sentiment") == want["sentiment"],
-            "rating": isinstance(got.get("rating"), int) and abs(got["rating"] - want["rating"]) <= 1,
-        }
-        for k, v in ok.items():
-            fields[k] += v
-        right += all(ok.values())
-    if not n:
-        return "accuracy: no labelled rows"
-    per = ", ".join(f"{k} {v}/{n}" for k, v in fields.items())
-    return f"accuracy: {right}/{n} rows labelled right ({100 * right / n:.0f}%; {per}; rating within one)"
+def accuracy(runs: dict[str, list[dict]], expected: dict, texts: dict) -> str:
+    """Per field, how many rows each run got exactly right (the labelled value, or null where
+    the text has none); and the share of grounded values that are verbatim spans."""
+    fields = list(next((e for e in expected.values() if e), {}))
+    lines, totals = [], {}
+    width = max(len(f) for f in fields) if fields else 5
+    lines.append(f"{'field':<{width}}  " + "  ".join(f"{name:>12}" for name in runs))
+    per: dict[str, dict[str, int]] = {name: {} for name in runs}
+    n = 0
+    for name, rows in runs.items():
+        right = values_right = values = 0
+        for row in rows:
+            want, got = expected.get(row["id"]), row.get("output") or {}
+            if not want:
+                continue
+            for f in fields:
+                hit = got.get(f) == want[f] if "output" in row else False
+                per[name][f] = per[name].get(f, 0) + hit
+                right += hit
+                if want[f] is not None:
+                    values += 1
+                    values_right += hit
+        n = sum(1 for row in rows if expected.get(row["id"]))
+        totals[name] = (right, values_right, values)
+    for f in fields:
+        lines.append(f"{f:<{width}}  " + "  ".join(f"{per[name].get(f, 0):>9}/{n:<2}" for name in runs))
+    cells = n * len(fields)
+    summary = [
+        f"{name}: {right}/{cells} fields exactly right ({100 * right / max(cells, 1):.0f}%), "
+        f"{values_right}/{values} of the labelled values"
+        for name, (right, values_right, values) in totals.items()
+    ]
+    grounded = runs.get("grounded", [])
+    quoted = [(row["id"], v) for row in grounded for v in (row.get("output") or {}).values() if isinstance(v, str)]
+    verbatim = sum(v in texts.get(i, "") for i, v in quoted)
+    share = f"{verbatim}/{len(quoted)} grounded values are verbatim spans of their text" if quoted else ""
+    return "accuracy (exact match per field, null where the text has none):\n" + "\n".join(lines + summary + [share])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ __all__ = [
     "AsyncEngine",
     "Engine",
     "GrammarError",
+    "Grounded",
     "OutputError",
     "OutputValidationError",
     "PromptTooLongError",
@@ -52,6 +53,11 @@ def __getattr__(name: str) -> Any:
 
         globals()["AsyncEngine"] = AsyncEngine
         return AsyncEngine
+    if name == "Grounded":  # pydantic, imported on first use too
+        from .grammar.grounding import grounded_type
+
+        globals()["Grounded"] = grounded_type()
+        return globals()["Grounded"]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

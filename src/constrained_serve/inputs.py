@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .engine.request import GrammarState, Request
 from .errors import GrammarError, PromptTooLongError
+from .grammar.grounded_inputs import GroundingArgs, grounding_args, marks_grounded, with_grounding
 from .output import results as outputs
 from .params import OutputSpec, SamplingParams
 from .result import Result
@@ -37,6 +38,7 @@ Messages = list[dict[str, Any]]
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None  # one for all items, or one each
 _SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
 _TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")  # chat's tool calling (tools/)
+_GROUNDING_KEYS = ("grounded", "source_text")  # grounded fields (grammar/grounded_inputs.py)
 
 
 def split_chat_messages(messages: Any) -> tuple[list[Messages], bool]:
@@ -168,6 +170,7 @@ class _CallPlan:
     chat: bool
     tools: ToolPlan | None = None
     template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs: extra chat template variables
+    grounding: GroundingArgs | None = None  # the items' specs get a Grounding of their source text
 
 
 class RequestBuilder:
@@ -306,6 +309,8 @@ class RequestBuilder:
         spec_kwargs.pop("chat_template_kwargs", None)  # not a spec: see _plan
         backend = spec_kwargs.pop("grammar_backend", None)
         tool_args = {k: spec_kwargs.pop(k) for k in _TOOL_KEYS if k in spec_kwargs}
+        # (grounded=/source_text= travel with the tool arguments: both shape the spec per item)
+        tool_args.update({k: spec_kwargs.pop(k) for k in _GROUNDING_KEYS if k in spec_kwargs})
         if backend is not None and backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"grammar_backend must be 'llguidance' or 'xgrammar', got {backend!r}")
         spec_args = {
@@ -331,7 +336,10 @@ class RequestBuilder:
         items, params, chat, spec_kwargs = call.items, call.params, call.chat, call.spec_kwargs
         params_at = self._params_per_item(items, params)
         backend, spec_args, tool_args = self._spec_args(spec_kwargs)
+        grounding = grounding_args(tool_args, items, chat)
         tools = self._tool_plan(chat, tool_args, spec_args, backend)
+        if tools is not None and tools.spec is not None and grounding is not None:
+            raise GrammarError("grounded= and source_text= apply to a JSON Schema output, not to tool calls")
         template_kwargs = spec_kwargs.get("chat_template_kwargs")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}")
@@ -348,9 +356,16 @@ class RequestBuilder:
         if not per_prompt:
             shared_spec = self.make_spec(**spec_args)  # a bad shared spec raises here
             if shared_spec is not None:
-                # ... and fails before any model work (under the longest compile deadline asked for)
-                self.grammar.compile(shared_spec, backend, _compile_timeout(params))
-        return _CallPlan(params_at, backend, per_item_specs, per_prompt, shared_spec, chat, tools, template_kwargs)
+                # ... and fails before any model work (under the longest compile deadline asked
+                # for); a grounded one with an empty source: its shape is what can fail here
+                checked = with_grounding(shared_spec, grounding, ("",))
+                self.grammar.compile(checked, backend, _compile_timeout(params))
+        elif grounding is not None and grounding.all_strings:
+            for args in per_item_specs:  # grounded=True needs JSON Schemas, whichever item
+                with_grounding(self.make_spec(**args), grounding, ("",))
+        return _CallPlan(
+            params_at, backend, per_item_specs, per_prompt, shared_spec, chat, tools, template_kwargs, grounding
+        )
 
     def _tool_plan(
         self, chat: bool, tool_args: dict[str, Any], spec_args: dict[str, Any], backend: str | None
@@ -394,6 +409,9 @@ class RequestBuilder:
         """The request(s) of item i of a call: one, or n for SamplingParams(n). A problem of
         this item alone (too long, a bad per-item spec) raises ValueError/TypeError."""
         spec = self.make_spec(**plan.per_item_specs[i]) if plan.per_prompt else plan.shared_spec
+        if spec is not None and (plan.grounding is not None or marks_grounded(spec)):
+            args = plan.grounding or GroundingArgs("words", False)
+            spec = with_grounding(spec, args, args.source_of(i, item, plan.chat))
         ids = self.encode_chat(item, plan.tools, plan.template_kwargs) if plan.chat else self._encode_raw(item)
         p = plan.params_at(i)
         return [self.new_request(ids, p, spec, i, plan.backend, j) for j in range(p.n)]

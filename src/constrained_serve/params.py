@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 OutputKind = Literal["json_schema", "json_object", "regex", "lark", "ebnf", "choices"]
+GroundingUnit = Literal["words", "chars"]
 
 
 @dataclass
@@ -163,6 +164,40 @@ def _check_real(
 
 
 @dataclass(frozen=True)
+class Grounding:
+    """The source text grounded string fields quote (grammar/grounding.py): such a field may
+    only take a verbatim span of one of ``sources`` (a chat's user messages: a span never
+    crosses two of them). Offsets in ``Result.spans`` count characters of ``text``, the
+    sources joined by a blank line.
+
+    ``unit`` "words": a span starts and ends at word boundaries (a run of letters, digits or
+    ``_`` is never cut; every other character is a unit of its own); "chars": anywhere. A
+    field's ``"x-grounded": "chars"`` (or ``"words"``) overrides it. ``all_strings``: every
+    plain string field is grounded (``grounded=True``), not only the ones marked
+    ``"x-grounded"`` in the schema."""
+
+    sources: tuple[str, ...]
+    unit: GroundingUnit = "words"
+    all_strings: bool = False
+
+    SEPARATOR = "\n\n"
+
+    @property
+    def text(self) -> str:
+        return self.SEPARATOR.join(self.sources)
+
+    @property
+    def key(self) -> str:
+        """What tells two groundings apart in the compile cache: a digest of the sources."""
+        import hashlib
+
+        h = hashlib.sha256(f"{self.unit}|{self.all_strings}|{len(self.sources)}".encode())
+        for s in self.sources:
+            h.update(b"\x00" + s.encode("utf-8", "surrogatepass"))
+        return h.hexdigest()
+
+
+@dataclass(frozen=True)
 class OutputSpec:
     """A normalized output constraint, built by ``grammar.spec.make_output_spec``.
 
@@ -175,6 +210,8 @@ class OutputSpec:
     python_type: Any = field(default=None, compare=False, hash=False)
     whitespace: bool = False  # allow free whitespace / indentation in JSON
     strict: bool = True  # refuse schema features a backend would silently approximate
+    # Grounded string fields and the text they quote (a JSON Schema only; None: none).
+    grounding: Grounding | None = None
 
     @property
     def is_json(self) -> bool:

@@ -74,6 +74,12 @@ class Result:
     # before the first call with them (None when empty). Both None in a chat without tools.
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
+    # Grounded fields (grounded=True, "x-grounded" in the schema; grammar/grounding.py): the
+    # text they quote (a chat's user messages joined by a blank line, generate's source_text
+    # or prompt), and for a complete output, per JSON path of each non-empty grounded value,
+    # its first occurrence there as character offsets: source_text[start:end] == the value.
+    source_text: str | None = None
+    spans: dict[str, tuple[int, int]] | None = None
 
     @property
     def ok(self) -> bool:

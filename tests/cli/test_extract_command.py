@@ -315,3 +315,35 @@ def test_rows_whose_grammar_runs_away_become_error_rows(tiny_engine_factory, tmp
     capsys.readouterr()
     assert main(argv, engine=eng) == 0
     assert out.read_bytes() == before and "12 already done" in capsys.readouterr().err
+
+
+def test_grounded_rows_quote_their_text_and_carry_spans(tiny_engine_factory, tmp_path, capsys) -> None:
+    """--grounded --spans on a random-weight model (it writes whatever the grammar allows):
+    every string value is a verbatim span of its row's text, at the offsets its row says."""
+    eng = tiny_engine_factory()
+    schema = tmp_path / "s.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"who": {"type": "string", "maxLength": 20}, "mail": {"type": ["string", "null"]}},
+                "required": ["who", "mail"],
+            }
+        )
+    )
+    texts = ['Zoë "Z" Müller\\n <zoe@acme.de> 😀', "Tom O'Brien, tom@x.io\ttab", "plain words twice, plain words"]
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps({"id": i, "text": t}) for i, t in enumerate(texts)])
+    out = tmp_path / "out.jsonl"
+    argv = ["extract", str(src), "-o", str(out), "--schema", str(schema), "--grounded", "--spans"]
+    argv += ["--temperature", "1", "--seed", "5", "--max-tokens", "60"]
+    assert main(argv, engine=eng) == 0, capsys.readouterr().err
+    rows = read_rows(out)
+    assert [r["id"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert "output" in r, r
+        text = texts[r["id"]]
+        for key, value in r["output"].items():
+            assert value is None or value in text, (key, value, text)
+            if value:
+                start, end = r["spans"][f"$.{key}"]
+                assert text[start:end] == value

@@ -26,8 +26,12 @@ def test_demo(python, tmp_path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "tickets.out.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["T-001", "T-002", "R-003", "I-004", "T-005", "R-006"]
     assert "valid rate" in out and "rows/s" in out and "->" in out
-    # every demo row is labelled (tickets.jsonl "expected"); the demo scores the model against it
-    assert re.search(r"accuracy: \d+/6 rows labelled right \(\d+%; kind \d+/6, sentiment \d+/6, rating \d+/6", out), out
+    # every demo row is labelled (tickets.jsonl "expected"); the demo scores both runs against it
+    assert re.search(r"grounded: \d+/36 fields exactly right \(\d+%\)", out), out
+    assert re.search(r"ungrounded: \d+/36 fields exactly right", out), out
+    m = re.search(r"(\d+)/(\d+) grounded values are verbatim spans", out)
+    assert m is None or m.group(1) == m.group(2), out  # every grounded value quotes its text
+    assert (tmp_path / "tickets.ungrounded.out.jsonl").exists()
 
 
 def test_pydantic_extraction(python) -> None:

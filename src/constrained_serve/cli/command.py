@@ -132,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='add "confidence": {JSON path: probability the model gave the value} to each output row',
     )
+    p.add_argument(
+        "--grounded",
+        nargs="?",
+        const="words",
+        choices=("words", "chars"),
+        help="every plain string field of --schema quotes the row's text verbatim (a span of the user "
+        "message; fields marked x-grounded do without this flag); spans at word boundaries, or 'chars'",
+    )
+    p.add_argument(
+        "--spans",
+        action="store_true",
+        help='add "spans": {JSON path: [start, end]} to each output row, where each grounded value stands in the text',
+    )
     _add_spec_args(p, "any JSON object")
     _add_model_args(p)
     g = p.add_argument_group("Ray (scale out over GPUs and machines; pip install 'constrained-serve[ray]')")

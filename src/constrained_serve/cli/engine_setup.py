@@ -22,6 +22,10 @@ def output_spec(args: argparse.Namespace, *, default_any_json: bool) -> OutputSp
     spec.kwargs["grammar_backend"] = args.backend
     if getattr(args, "open_objects", False) and "schema" in spec.kwargs:
         spec.kwargs["json_open_objects"] = True
+    if getattr(args, "grounded", None):
+        if "schema" not in spec.kwargs:
+            raise SetupError("--grounded quotes the text into string fields of a --schema: give one")
+        spec.kwargs["grounded"] = args.grounded
     return spec
 
 
@@ -94,13 +98,14 @@ def compile_before_load(args: argparse.Namespace, spec: OutputSpecArgs) -> None:
         return
     from ..errors import GrammarError
     from ..grammar import GrammarManager, make_output_spec
+    from ..grammar.grounded_inputs import GroundingArgs, marks_grounded, with_grounding
     from ..models import loader
 
     try:
         hf_config, tokenizer = loader.load_config_and_tokenizer(loader.resolve_model(args.model))
     except Exception:  # noqa: BLE001 - reported with context when the engine loads the model
         return
-    kwargs = {k: v for k, v in spec.kwargs.items() if k != "grammar_backend"}
+    kwargs = {k: v for k, v in spec.kwargs.items() if k not in ("grammar_backend", "grounded")}
     manager = GrammarManager(
         tokenizer,
         hf_config.vocab_size,
@@ -109,7 +114,10 @@ def compile_before_load(args: argparse.Namespace, spec: OutputSpecArgs) -> None:
         mask_threads=1,
     )
     try:
-        manager.compile(make_output_spec(**kwargs))
+        checked = make_output_spec(**kwargs)
+        if spec.kwargs.get("grounded") or marks_grounded(checked):  # its shape, on an empty text
+            checked = with_grounding(checked, GroundingArgs(spec.kwargs.get("grounded") or "words", True), ("",))
+        manager.compile(checked)
     except GrammarError as e:
         raise SetupError(f"{spec.label}: {e}") from None
     finally:

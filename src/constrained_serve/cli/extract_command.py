@@ -38,6 +38,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if args.max_in_flight < 1:
         raise SetupError("--max-in-flight must be at least 1")
     ray_options = _ray_options(args)  # before anything else: no Ray installed fails at once
+    if ray_options is not None and args.spans:
+        raise SetupError("--spans is not available with --ray yet: run the job locally for the spans column")
     source = _open_input(args.input)  # before the slow parts: fail fast on a typo
     spec = output_spec(args, default_any_json=True)
     instructions = args.instructions if args.instructions is not None else default_instructions(spec)
@@ -89,6 +91,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
                 stats=stats,
                 on_row=on_row,
                 max_in_flight=args.max_in_flight,
+                spans=args.spans,
             )
         except Exception as e:
             if is_grammar_error(e) and stats.rows == 0:

@@ -252,7 +252,9 @@ def usage_dict(result: Any) -> dict[str, int]:
     return {n: int(getattr(usage, n, 0) or 0) for n in names}
 
 
-def result_row(row_id: Any, result: Any, *, json_output: bool, max_tokens: int | None = None) -> dict[str, Any]:
+def result_row(
+    row_id: Any, result: Any, *, json_output: bool, max_tokens: int | None = None, spans: bool = False
+) -> dict[str, Any]:
     """The output row for one engine Result.
 
     A truncated output (finish_reason "length" before the constraint was complete) is an
@@ -292,6 +294,8 @@ def result_row(row_id: Any, result: Any, *, json_output: bool, max_tokens: int |
     confidence = getattr(result, "field_confidence", None)
     if confidence is not None:  # --confidence: per JSON path, the probability the model gave it
         row["confidence"] = {path: float(f"{p:.6g}") for path, p in confidence.items()}
+    if spans:  # --spans: per JSON path of a grounded value, where it stands in the text
+        row["spans"] = {path: list(span) for path, span in (getattr(result, "spans", None) or {}).items()}
     return row
 
 
@@ -350,6 +354,7 @@ def run_extract(
     stats: JobStats | None = None,
     on_row: Callable[[dict[str, Any], JobStats], None] | None = None,
     max_in_flight: int = 256,
+    spans: bool = False,
 ) -> JobStats:
     """Run the items through ``engine.generate_iter`` and write one row per item, in order.
 
@@ -386,7 +391,13 @@ def run_extract(
         emit(
             {
                 **item.row_head(),
-                **result_row(item.id, result, json_output=json_output, max_tokens=getattr(params, "max_tokens", None)),
+                **result_row(
+                    item.id,
+                    result,
+                    json_output=json_output,
+                    max_tokens=getattr(params, "max_tokens", None),
+                    spans=spans,
+                ),
             }
         )
     flush_errors()

@@ -3,6 +3,12 @@ workers under ``compile_timeout_s``, the LRU cache of compiled grammars (one in-
 compile per spec, shared), refusing at once a spec shaped like one whose compile overran
 (``spec_shape``), evicting a grammar a matcher failed on, and checking finished outputs
 (``matches``). ``CompileService`` holds that state; the workers are the ``WorkerPool``'s.
+
+A grounded spec (grounding.py) has a grammar per source text, so per row of an extraction:
+those are cached apart, by the digest of their source, in an LRU of their own of at most
+``GROUNDED_CACHE_SIZE`` entries, so a long job never pushes the shared grammars out (a row's
+samples and retries still share one compile). They compile like any spec, on the compile
+threads when the request is added, while the rows before it decode.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from .worker import WorkerFailure
 logger = logging.getLogger("constrained_serve.grammar.manager")
 
 BACKENDS = ("llguidance", "xgrammar")
-CacheKey = tuple[str, str, str, bool, bool]
+CacheKey = tuple[str, str, str, bool, bool, str]
+GROUNDED_CACHE_SIZE = 16
 
 
 def spec_shape(spec: OutputSpec, backend: str) -> tuple[str, str, str, bool, bool]:
@@ -44,6 +51,8 @@ def spec_shape(spec: OutputSpec, backend: str) -> tuple[str, str, str, bool, boo
         text = _LITERAL.sub(lambda m: _fold(m.group()), spec.text)
     else:
         text = spec.text
+    if spec.grounding is not None:  # sources of about the same length share a fate, not all sources
+        text += f"|grounded:{len(spec.grounding.text).bit_length()}"
     return (backend, spec.kind, re.sub(r"\s+", "", text), spec.whitespace, spec.strict)
 
 
@@ -72,7 +81,8 @@ def _fold_patterns(schema: Any) -> Any:
 
 
 def cache_key(spec: OutputSpec, backend: str) -> CacheKey:
-    return (backend, spec.kind, spec.text, spec.whitespace, spec.strict)
+    grounding = "" if spec.grounding is None else spec.grounding.key
+    return (backend, spec.kind, spec.text, spec.whitespace, spec.strict, grounding)
 
 
 class CompileService:
@@ -93,6 +103,8 @@ class CompileService:
         self._stats = stats  # the manager's counters: hits, misses, compiles, timeouts, ...
         self._lock = threading.RLock()  # the cache, the in-flight compiles, the timed-out shapes
         self._cache: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
+        # Grounded grammars (one per source text), apart: see the module docstring.
+        self._grounded: collections.OrderedDict[CacheKey, CompiledGrammar] = collections.OrderedDict()
         self._pending: dict[CacheKey, cf.Future] = {}  # one in-flight compile per key, shared
         # Shapes of specs whose compile overran: (timeout it overran, the refusal's message).
         self._timed_out: collections.OrderedDict[tuple, tuple[float, str]] = collections.OrderedDict()
@@ -122,9 +134,10 @@ class CompileService:
         timeout = float(timeout_s or self.compile_timeout_s)
         key = cache_key(spec, name)
         with self._lock:
-            hit = self._cache.get(key)
+            cache = self._cache_of(spec)
+            hit = cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(key)
+                cache.move_to_end(key)
                 self._stats["hits"] += 1
                 fut = cf.Future()
                 fut.set_result(hit)
@@ -207,20 +220,26 @@ class CompileService:
         logger.warning("%s", message)
         return GrammarError(message, backend=name, reason="timeout")
 
+    def _cache_of(self, spec: OutputSpec) -> collections.OrderedDict[CacheKey, CompiledGrammar]:
+        return self._cache if spec.grounding is None else self._grounded
+
     def _cache_put(self, key: CacheKey, compiled: CompiledGrammar) -> None:
         """Cache a finished compile, least recently used out first (caller holds the lock)."""
         self._stats["compiles"] += 1
-        self._cache[key] = compiled
-        self._cache.move_to_end(key)
-        while len(self._cache) > self.cache_size:
-            self._workers.retire(self._cache.popitem(last=False)[1].gid)
+        cache = self._cache_of(compiled.spec)
+        bound = self.cache_size if cache is self._cache else min(self.cache_size, GROUNDED_CACHE_SIZE)
+        cache[key] = compiled
+        cache.move_to_end(key)
+        while len(cache) > bound:
+            self._workers.retire(cache.popitem(last=False)[1].gid)
 
     def evict(self, compiled: CompiledGrammar) -> None:
         """Drop ``compiled`` from the cache: the next request with its spec compiles afresh."""
         with self._lock:
             key = cache_key(compiled.spec, compiled.backend)
-            if self._cache.get(key) is compiled:
-                del self._cache[key]
+            cache = self._cache_of(compiled.spec)
+            if cache.get(key) is compiled:
+                del cache[key]
                 self._stats["evictions"] += 1
                 logger.warning(
                     "%s grammar of a %s spec evicted after a matcher failure: the next request with it compiles afresh",

@@ -220,6 +220,13 @@ class LLGuidanceBackend(GrammarBackend):
     # -- compile -------------------------------------------------------------------------
     def grammar_text(self, spec: OutputSpec) -> str:
         """The llguidance grammar (JSON) for ``spec``; raises GrammarError on conversion errors."""
+        if spec.grounding is not None:  # grounded string fields: the schema as Lark around them
+            from .grounded_lark import grounded_grammar
+
+            try:
+                return LLMatcher.grammar_from_lark(grounded_grammar(spec))
+            except ValueError as e:
+                raise self.spec_error(spec, str(e)) from e
         if spec.is_json:
             options = {
                 "whitespace_flexible": spec.whitespace,

@@ -37,6 +37,10 @@ def parse_output(spec: OutputSpec, text: str) -> tuple[Any, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"output is not valid JSON: {e}") from e
+    if spec.grounding is not None:  # grounded values are verbatim spans of the source
+        from .grounding import check_grounded
+
+        check_grounded(spec, value)
     if spec.python_type is None:
         _check_conformance(spec, text, value)
         return value, value

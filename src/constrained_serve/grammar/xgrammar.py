@@ -147,6 +147,17 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, spec: OutputSpec) -> CompiledGrammar:
         t0 = time.perf_counter()
         warnings: list[str] = []
+        if spec.grounding is not None:
+            # A grounded field's values are the substrings of the source: llguidance has that
+            # lexeme (grounded_lark.py); xgrammar has no substring construction nor a way to put
+            # one inside its JSON Schema grammar, and spelling every span out as EBNF rules
+            # grows with the source. Refused, never silently ungrounded.
+            raise GrammarError(
+                "xgrammar cannot compile grounded fields (x-grounded, grounded=True): it has no substring "
+                "construction for the source text; use grammar_backend='llguidance' (the default)",
+                backend=self.name,
+                reason="grounded fields need llguidance",
+            )
         if spec.kind == "json_schema":
             schema, notes = rewrite_schema(json.loads(spec.text))  # to JSON Schema's meaning where it can
             warnings = list(dict.fromkeys(unsupported_schema_features(schema) + notes))  # a $ref'd part once

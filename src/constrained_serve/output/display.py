@@ -1,8 +1,10 @@
 """How a Result looks in Jupyter (``_repr_html_``) and in a terminal (``__repr__``).
 
-Both read only the public Result fields (text, json, parsed, finish_reason, stop_reason, usage, error),
-so they work on any object with that shape. Everything taken from the model or the user
-is HTML-escaped: model output is untrusted text inside the notebook page.
+Both read only the public Result fields (text, json, parsed, finish_reason, stop_reason, usage, error,
+source_text, spans), so they work on any object with that shape. Grounded values are shown
+where they stand: the source text with each span highlighted, its JSON path on hover.
+Everything taken from the model or the user is HTML-escaped: model output is untrusted text
+inside the notebook page.
 """
 
 from __future__ import annotations
@@ -83,6 +85,39 @@ def _table(obj: dict[str, Any], confidence: dict[str, float] | None = None) -> s
     return "<table>" + "".join(rows) + "</table>"
 
 
+_MARK = "background:#fff2a8;border-radius:2px"
+
+
+def _source_html(result: Any) -> str:
+    """The source text with the grounded values' spans highlighted (Result.spans), or ""."""
+    source, spans = getattr(result, "source_text", None), getattr(result, "spans", None)
+    if not source or not spans:
+        return ""
+    # Spans may nest or repeat (two fields quoting the same words): each character is marked
+    # once, with the paths of every span over it in its title.
+    more = len(source) - _MAX_TEXT
+    source = source[:_MAX_TEXT]  # elided before marking: a cut never falls inside a tag
+    cover: list[list[str]] = [[] for _ in source]
+    for path, (start, end) in spans.items():
+        for i in range(max(0, start), min(len(source), end)):
+            cover[i].append(path)
+    out, i = [], 0
+    while i < len(source):
+        j = i
+        while j < len(source) and cover[j] == cover[i]:
+            j += 1
+        piece = html.escape(source[i:j])
+        if cover[i]:
+            piece = f"<mark style='{_MARK}' title='{html.escape(', '.join(cover[i]), quote=True)}'>{piece}</mark>"
+        out.append(piece)
+        i = j
+    return (
+        "<div style='color:#666;font-size:smaller'>source (grounded values highlighted):</div>"
+        f"<pre style='white-space:pre-wrap;margin:0'>{''.join(out)}"
+        f"{f'… ({more} more characters)' if more > 0 else ''}</pre>"
+    )
+
+
 def _finish(result: Any) -> str:
     """The finish reason, with the stop string or token that caused it when there is one."""
     finish = str(getattr(result, "finish_reason", None))
@@ -113,7 +148,7 @@ def result_repr_html(result: Any) -> str:
         err_html = f"<div style='color:#b00020'>error: {label}</div>"
     return (
         "<div class='constrained-serve-result'>"
-        f"{body}{err_html}"
+        f"{body}{_source_html(result)}{err_html}"
         f"<div style='color:#666;font-size:smaller'>{' · '.join(meta)}</div>"
         "</div>"
     )
@@ -134,6 +169,9 @@ def result_repr_text(result: Any) -> str:
     usage = _usage_line(result)
     if usage:
         fields.append(usage)
+    spans = getattr(result, "spans", None)
+    if spans:
+        fields.append(f"spans={len(spans)} grounded")
     samples = getattr(result, "samples", None)
     if samples:
         fields.append(f"samples={len(samples)} (the first shown)")

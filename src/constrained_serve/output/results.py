@@ -67,6 +67,8 @@ def _result(r: Request, prompt: Any, raise_on_error: bool, grammar: Any, max_mod
         logprobs=r.logprobs,
         prompt_logprobs=r.prompt_logprobs,
     )
+    if r.spec is not None and r.spec.grounding is not None:
+        res.source_text = r.spec.grounding.text
     refused: OutputValidationError | None = None
     if r.spec is not None and res.error is None:
         if res.finish_reason == "length":
@@ -100,6 +102,10 @@ def _result(r: Request, prompt: Any, raise_on_error: bool, grammar: Any, max_mod
 
             try:
                 res.json, res.parsed = parse_output(r.spec, text)
+                if r.spec.grounding is not None:
+                    from ..grammar.grounding import spans_of
+
+                    res.spans = spans_of(r.spec, res.json)
                 if r.params.field_confidence and r.spec.is_json and r.logprobs is not None:
                     from .confidence import field_confidence, token_offsets
 

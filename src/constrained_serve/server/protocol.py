@@ -67,6 +67,11 @@ class _Body(BaseModel):
     # constrained-serve's own: JSON Schema objects that do not say additionalProperties stay
     # open, as JSON Schema literally reads them (default: closed; see docs/api.md)
     json_open_objects: bool = False
+    # Grounded string fields (docs/api.md): True or "words" / "chars" grounds every plain string
+    # field of the schema; source_text is the text they quote (default: the user messages, or
+    # the prompt). The response's choices carry "spans": {JSON path: [start, end]}.
+    grounded: bool | Literal["words", "chars"] | None = None
+    source_text: str | None = None
 
 
 class ChatCompletionRequest(_Body):
@@ -164,6 +169,10 @@ def spec_kwargs(req: _Body) -> dict[str, Any]:
         specs["grammar_backend"] = req.guided_decoding_backend
     if req.json_open_objects and specs:
         specs["json_open_objects"] = True
+    if req.grounded not in (None, False):
+        specs["grounded"] = req.grounded
+    if req.source_text is not None:
+        specs["source_text"] = req.source_text
     vllm_spec_fields(req, specs)
     if isinstance(req, ChatCompletionRequest):
         specs.update(tool_kwargs(req))
@@ -225,6 +234,8 @@ def chat_response(results: list[Result], model: str, tokenizer: Any, top_logprob
         }
         if r.logprobs is not None:
             choice["logprobs"] = {"content": _token_logprobs(r, tokenizer, top_logprobs or 0)}
+        if r.spans is not None:  # constrained-serve's own: where each grounded value stands
+            choice["spans"] = {path: list(span) for path, span in r.spans.items()}
         choices.append(choice)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -253,6 +264,8 @@ def completion_response(results: list[Result], model: str, tokenizer: Any) -> di
                     "token_logprobs": [c["logprob"] for c in content],
                     "top_logprobs": [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content],
                 }
+            if r.spans is not None:
+                choice["spans"] = {path: list(span) for path, span in r.spans.items()}
             choices.append(choice)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",

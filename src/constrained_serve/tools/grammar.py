@@ -13,10 +13,10 @@ parses and matches its function.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
+from ..grammar.lark_parts import json_embed, lark_literal
 from .formats import CallFormat
 
 __all__ = ["JSON_STYLE", "tool_grammar"]
@@ -26,13 +26,11 @@ __all__ = ["JSON_STYLE", "tool_grammar"]
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _lit(text: str) -> str:
-    """A Lark string literal (JSON's escapes are Lark's)."""
-    return json.dumps(text, ensure_ascii=False)
+_lit = lark_literal
 
 
 def _json(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+    return json_embed(schema, JSON_STYLE)
 
 
 def tool_grammar(functions: Sequence[tuple[str, dict[str, Any]]], fmt: CallFormat, mode: str, parallel: bool) -> str:
