@@ -23,12 +23,13 @@ from .cache.manager import KVCacheManager
 from .cache.pins import PinRegistry
 from .cache.pool import PagePool
 from .cache.radix import RadixCache
+from .call import Call, Entry, Messages
 from .config import EngineConfig
 from .conversation import Conversation
 from .engine.core import EngineCore
 from .engine.driver import Driver
 from .engine.scheduler import Scheduler
-from .inputs import Call, Entry, Messages, RequestBuilder
+from .inputs import RequestBuilder
 from .models import loader
 from .models.llama import sliding_window_of
 from .output import results as outputs

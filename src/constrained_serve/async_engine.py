@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .call import Call, Entry
 from .engine.driver import Driver, LostRequestError
 from .engine.request import Request
 from .errors import OutputError
-from .inputs import Call, Entry
 from .params import SamplingParams
 from .result import Result
 from .streaming import PartialStream, TextDeltas, check_not_aborted

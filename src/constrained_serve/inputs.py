@@ -6,18 +6,17 @@ and a problem of one item fails that item alone (its entry holds an error Result
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .call import Call, Entry, Messages, ParamsArg
 from .engine.request import GrammarState, Request
 from .errors import GrammarError, PromptTooLongError
 from .grammar.grounded_inputs import GroundingArgs, grounding_args, marks_grounded, with_grounding
 from .output import results as outputs
 from .params import OutputSpec, SamplingParams
-from .result import Result
 from .runtime.sampler import step_seed
 
 if TYPE_CHECKING:
@@ -34,128 +33,15 @@ def _per_prompt(key: str, value: Any) -> bool:
     )
 
 
-Messages = list[dict[str, Any]]
-ParamsArg = SamplingParams | Sequence[SamplingParams] | None  # one for all items, or one each
 _SPEC_KEYS = ("schema", "regex", "grammar", "choices", "response_format")
 _TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")  # chat's tool calling (tools/)
 _GROUNDING_KEYS = ("grounded", "source_text")  # grounded fields (grammar/grounded_inputs.py)
-
-
-def split_chat_messages(messages: Any) -> tuple[list[Messages], bool]:
-    """``chat()``'s input as a list of conversations, and whether it was one conversation
-    (a list of messages) rather than a list of them."""
-    if isinstance(messages, (str, bytes, dict)):
-        raise TypeError(
-            f"chat() takes a list of {{'role': ..., 'content': ...}} messages (or a list of such "
-            f"lists), got a {type(messages).__name__}; for raw text use generate()"
-        )
-    single = len(messages) > 0 and isinstance(messages[0], dict)
-    items = [messages] if single else list(messages)
-    bad = next((m for m in items if isinstance(m, (str, bytes))), None)
-    if bad is not None:
-        raise TypeError(
-            "chat() takes a list of {'role': ..., 'content': ...} messages (or a list of such lists), "
-            f"got a list of strings ({bad!r:.40}); for one user message each pass "
-            "[[{'role': 'user', 'content': s}] for s in texts], or use generate() for raw text"
-        )
-    return items, single
-
-
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-
-
-def keyword_params(params: Any, spec_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """SamplingParams' fields given as keywords (``generate(..., max_tokens=40)``) taken out of
-    ``spec_kwargs`` into a SamplingParams; TypeError when ``params`` is given too."""
-    sampling = {k: spec_kwargs[k] for k in spec_kwargs if k in _SAMPLING_FIELDS}
-    if not sampling:
-        return params, spec_kwargs
-    if params is not None:
-        raise TypeError(
-            f"pass either params= or SamplingParams fields as keywords ({', '.join(sorted(sampling))}), not both"
-        )
-    rest = {k: v for k, v in spec_kwargs.items() if k not in _SAMPLING_FIELDS}
-    return SamplingParams(**sampling), rest
 
 
 def _compile_timeout(params: ParamsArg) -> float | None:
     """The longest compile deadline the call's params ask for (None: one of them takes the default)."""
     timeouts = [p.compile_timeout_s for p in ([params] if not isinstance(params, (list, tuple)) else params) if p]
     return max(timeouts) if all(timeouts) and timeouts else None
-
-
-@dataclass(frozen=True)
-class Call:
-    """One generate / chat / generate_iter call as asked (``Engine`` and ``AsyncEngine``):
-    its items, one Result each, and how a problem of one item comes back."""
-
-    items: Iterable[Any]  # prompts (text or token ids) or conversations; a list, or any iterable
-    params: ParamsArg
-    chat: bool
-    spec_kwargs: dict[str, Any]
-    raise_on_error: bool = False
-    single: bool = False  # one prompt or conversation given bare: its problem raises
-    progress: bool = False
-
-    def __post_init__(self) -> None:
-        params, spec_kwargs = keyword_params(self.params, self.spec_kwargs)
-        object.__setattr__(self, "params", params)
-        object.__setattr__(self, "spec_kwargs", spec_kwargs)
-
-    @classmethod
-    def of(
-        cls,
-        given: Any,
-        params: ParamsArg,
-        chat: bool,
-        spec_kwargs: dict[str, Any],
-        *,
-        raise_on_error: bool = False,
-        progress: bool = False,
-    ) -> Call:
-        """generate()'s prompt or prompts, or chat()'s conversation or conversations."""
-        if chat:
-            items, single = split_chat_messages(given)
-        else:
-            single = isinstance(given, str)
-            items = [given] if single else list(given)
-        return cls(items, params, chat, spec_kwargs, raise_on_error, single, progress)
-
-    @classmethod
-    def stream(cls, prompt: Any, params: SamplingParams | None, spec_kwargs: dict[str, Any]) -> Call:
-        """A stream's call (``Engine.stream``, ``AsyncEngine.open_stream``): one prompt (text)
-        or conversation (a message list), one SamplingParams with n=1; its problems raise."""
-        params, spec_kwargs = keyword_params(params, spec_kwargs)
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"stream takes one prompt and one SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if params.n != 1:
-            raise ValueError(f"stream yields one completion: n must be 1, got {params.n}")
-        return cls([prompt], params, not isinstance(prompt, str), spec_kwargs, raise_on_error=True, single=True)
-
-
-@dataclass(eq=False)
-class Entry:
-    """One item of a call: its requests (one, or n for SamplingParams(n)), not yet added to
-    the core, or the error Result of an item that never became a request (too long, a bad
-    per-item spec). ``Engine.result_of`` turns a done entry into its Result."""
-
-    index: int
-    item: Any  # the prompt or conversation as given
-    requests: list[Request] = field(default_factory=list)
-    error: Result | None = None
-    tools: ToolPlan | None = None  # a chat with tools: its Result's tool_calls come from it
-
-    @property
-    def done(self) -> bool:
-        """Its Result can be handed back: an error, or all its requests finished."""
-        return self.error is not None or all(r.finished for r in self.requests)
-
-    @property
-    def weight(self) -> int:
-        """What it counts against generate_iter's max_in_flight: its number of requests (1 for an error)."""
-        return max(1, len(self.requests))
 
 
 @dataclass(frozen=True)
