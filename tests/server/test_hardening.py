@@ -227,6 +227,9 @@ def _mutate(rng: random.Random, body: dict) -> dict:
     return body
 
 
+FUZZ_CASES = 3000
+
+
 def _encode(rng: random.Random, body: dict) -> bytes:
     raw = json.dumps(body, ensure_ascii=rng.random() < 0.5, allow_nan=True).encode("utf-8", "surrogatepass")
     x = rng.random()
@@ -252,7 +255,7 @@ def test_fuzz_the_http_surface(hserved):
     assert srv.url.startswith("http://127.0.0.1:")
     rng = random.Random(41)
     cases = []
-    for _ in range(1500):
+    for _ in range(FUZZ_CASES):
         path, base = rng.choice(_BASE)
         cases.append((path, _encode(rng, _mutate(rng, base))))
     with httpx.Client(timeout=60) as c:  # warm up: the grammar workers, the first requests
@@ -261,16 +264,16 @@ def test_fuzz_the_http_surface(hserved):
     statuses: dict[int, int] = {}
     bad: list[tuple] = []
 
+    client = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=8))  # kept-alive connections, shared
+
     def one(case: tuple[str, bytes]) -> None:
         path, raw = case
-        with httpx.Client(timeout=60) as c:
-            if b'"stream": true' in raw or b'"stream":true' in raw:
-                with c.stream(
-                    "POST", f"{srv.url}{path}", content=raw, headers={"content-type": "application/json"}
-                ) as r:
-                    r.read()
-            else:
-                r = c.post(f"{srv.url}{path}", content=raw, headers={"content-type": "application/json"})
+        c = client
+        if b'"stream": true' in raw or b'"stream":true' in raw:
+            with c.stream("POST", f"{srv.url}{path}", content=raw, headers={"content-type": "application/json"}) as r:
+                r.read()
+        else:
+            r = c.post(f"{srv.url}{path}", content=raw, headers={"content-type": "application/json"})
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         if r.status_code >= 500:
             bad.append((path, raw[:300], r.text[:300]))
@@ -281,7 +284,7 @@ def test_fuzz_the_http_surface(hserved):
                 bad.append((path, raw[:300], r.status_code, r.text[:300], str(e)[:100]))
 
     t0 = time.monotonic()
-    with ThreadPoolExecutor(8) as pool:
+    with client, ThreadPoolExecutor(8) as pool:
         list(pool.map(one, cases))
     elapsed = time.monotonic() - t0
     assert not bad, bad[:5]
@@ -294,3 +297,59 @@ def test_fuzz_the_http_surface(hserved):
     assert elapsed < 240
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5):
         pass
+
+
+# ------------------------------------------------------------------- start-up line and access log
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_serve_prints_where_it_listens_and_an_access_log_unless_quiet(tiny_llama_dir):
+    """`constrained-serve serve` as a user starts it: one start-up line (model, served name,
+    address), one access-log line per request; nothing of either with --quiet."""
+    import subprocess
+    import sys
+
+    from ..helpers import subprocess_env
+
+    runs = {}
+    for quiet in (False, True):
+        port = _free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "constrained_serve.cli",
+            "serve",
+            "--model",
+            str(tiny_llama_dir),
+            "--port",
+            str(port),
+        ]
+        argv += ["--served-model-name", "tiny", "--max-num-seqs", "4"] + (["--quiet"] if quiet else [])
+        proc = subprocess.Popen(argv, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        runs[quiet] = (proc, port)
+    try:
+        for proc, port in runs.values():
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    assert proc.poll() is None, proc.stdout.read()
+                    time.sleep(0.3)
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/models/nope", timeout=10)  # any request: logged as it went
+            assert r.status_code in (404, 405)
+    finally:
+        for proc, _ in runs.values():
+            proc.terminate()
+    loud, quiet_out = (runs[q][0].communicate(timeout=60)[0] for q in (False, True))
+    port = runs[False][1]
+    assert f"serving tiny (model {tiny_llama_dir}) on http://127.0.0.1:{port}/v1" in loud, loud
+    assert '"GET /health HTTP/1.1" 200' in loud and "/v1/models/nope" in loud, loud
+    assert "serving" not in quiet_out and "GET /health" not in quiet_out, quiet_out
