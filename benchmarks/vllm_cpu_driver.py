@@ -2,14 +2,16 @@
 of this project), keeps one `vllm.LLM` alive and answers commands, one JSON line each.
 
 stdin, one JSON object a line:
-    {"cmd": "load", "prompts": [[token ids], ...], "schema": {...} | null, "max_tokens": 96}
+    {"cmd": "load", "prompts": [[token ids], ...], "schema": {...} | null, "max_tokens": 96,
+     "temperature": 0.0, "seeds": [per prompt] | null}   (temperature and seeds optional)
     {"cmd": "run", "reset_cache": false}   -> {"wall_s", "output_tokens", "texts", ...}
     {"cmd": "profile"}                     -> one round under vLLM's torch profiler (--profile-dir)
     {"cmd": "quit"}
 Answers go to the stdout this process started with; everything vLLM logs goes to stderr.
 
 The prompts arrive as token ids (rendered by our engine's chat template), so both systems see
-exactly the same input. Greedy (temperature 0), stop at EOS, the same max_tokens for all.
+exactly the same input. Greedy (temperature 0) unless "temperature" says otherwise (then one
+seed per prompt from "seeds"), stop at EOS, the same max_tokens for all.
 
     python vllm_cpu_driver.py --model DIR [--threads 2] [--kv-space-gib 2] [--max-num-seqs N]
 """
@@ -97,7 +99,16 @@ def main() -> None:
         if cmd["cmd"] == "load":
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cmd["prompts"]]
             so = StructuredOutputsParams(json=cmd["schema"]) if cmd.get("schema") else None
-            params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], structured_outputs=so)
+            temperature, seeds = cmd.get("temperature", 0.0), cmd.get("seeds")
+            params = [
+                SamplingParams(
+                    temperature=temperature,
+                    max_tokens=cmd["max_tokens"],
+                    structured_outputs=so,
+                    seed=None if seeds is None else seeds[i],
+                )
+                for i in range(len(prompts))
+            ]
             answers.write(json.dumps({"loaded": len(prompts)}) + "\n")
             continue
         if cmd.get("reset_cache"):
