@@ -3,29 +3,18 @@ not) and guided_json; extra_body json_open_objects keeps JSON Schema's literal m
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import openai
 import pytest
 
 from constrained_serve.server import protocol as P
 
-from .test_app import Server
-
 OPEN = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
-@pytest.fixture(scope="module")
-def client(tiny_llama_dir):
-    from constrained_serve import AsyncEngine, Engine
-    from constrained_serve.server.app import build_app
-
-    ae = AsyncEngine(Engine(model=str(tiny_llama_dir), max_num_seqs=16))
-    srv = Server(build_app(ae, "tiny"))
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
-    srv.stop()
-    asyncio.run(ae.aclose())
+@pytest.fixture
+def client(tiny_client):
+    return tiny_client
 
 
 def test_the_open_switch_reaches_the_spec():

@@ -4,7 +4,6 @@ the typed event stream, max_output_tokens, and what is refused (previous_respons
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -12,8 +11,6 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
-from .test_app import Server
 
 SCHEMA = {
     "type": "object",
@@ -27,21 +24,14 @@ class Thing(BaseModel):
     n: int = Field(ge=0, le=9)
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama_dir):
-    from constrained_serve import AsyncEngine, Engine
-    from constrained_serve.server.app import build_app
-
-    ae = AsyncEngine(Engine(model=str(tiny_llama_dir), max_num_seqs=16))
-    srv = Server(build_app(ae, "tiny"))
-    yield srv
-    srv.stop()
-    asyncio.run(ae.aclose())
+@pytest.fixture
+def served(tiny_served):
+    return tiny_served
 
 
 @pytest.fixture
-def client(served):
-    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=120)
+def client(tiny_client):
+    return tiny_client
 
 
 @pytest.mark.timeout(120)
