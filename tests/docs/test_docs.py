@@ -132,22 +132,6 @@ def test_relative_links_resolve() -> None:
 # running them (the default model)
 
 
-@pytest.fixture
-def shared_engine(engine, monkeypatch):
-    """``Engine()`` and the one-liner's default engine are the session's engine; any other
-    ``Engine(...)`` builds a real one. Paths in the pages are relative to the repository."""
-    import constrained_serve
-    from constrained_serve.api import Engine
-
-    def make(*args, **kwargs):
-        return engine if not args and not kwargs else Engine(*args, **kwargs)
-
-    monkeypatch.setattr(constrained_serve, "Engine", make)
-    monkeypatch.setattr(constrained_serve, "_default_engine", engine)
-    monkeypatch.chdir(ROOT)
-    return engine
-
-
 PYTHON_PAGES = [p for p in PAGES if any(b.page == p and b.lang == "python" and b.runs for b in ALL)]
 
 

@@ -1,10 +1,19 @@
-"""Every example script runs on the default model and prints what it promises."""
+"""Every example script runs on the default model and prints what it promises.
+
+The demo runs as a user runs it, a process of its own. The other scripts run in this process
+as ``__main__`` (runpy), their ``Engine()`` being the session's default-model engine
+(conftest.shared_engine): the same code, without a Python, torch and model start each.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
+import runpy
 import subprocess
+import sys
 
 import pytest
 
@@ -21,6 +30,24 @@ def run(python: str, script: str, *args: str) -> str:
     return done.stdout + done.stderr
 
 
+@pytest.fixture
+def run_here(shared_engine, monkeypatch):
+    """Run an example script as ``python examples/SCRIPT ARGS`` would, in this process."""
+
+    def run_script(script: str, *args: str) -> str:
+        out = io.StringIO()
+        monkeypatch.setattr(sys, "argv", [str(EXAMPLES / script), *args])
+        monkeypatch.syspath_prepend(str(EXAMPLES))  # as `python examples/SCRIPT` has it
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+            except SystemExit as e:
+                assert e.code in (None, 0), f"{script} exited {e.code}:\n{out.getvalue()[-4000:]}"
+        return out.getvalue()
+
+    return run_script
+
+
 def test_demo(python, tmp_path) -> None:
     out = run(python, "demo.py", "--limit", "6", "--out-dir", str(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "tickets.out.jsonl").read_text().splitlines()]
@@ -34,30 +61,30 @@ def test_demo(python, tmp_path) -> None:
     assert (tmp_path / "tickets.ungrounded.out.jsonl").exists()
 
 
-def test_pydantic_extraction(python) -> None:
-    out = run(python, "pydantic_extraction.py")
+def test_pydantic_extraction(run_here) -> None:
+    out = run_here("pydantic_extraction.py")
     assert out.count("-> Invoice(") + out.count("-> no Invoice (length)") == 3
     assert "Invoice(" in out
 
 
-def test_regex(python) -> None:
-    out = run(python, "regex_patterns.py")
+def test_regex(run_here) -> None:
+    out = run_here("regex_patterns.py")
     assert len(re.findall(r"\(matches: True\)", out)) >= 5  # a cut-off output may not match; most must
 
 
-def test_lark_grammar(python) -> None:
-    out = run(python, "lark_grammar.py")
+def test_lark_grammar(run_here) -> None:
+    out = run_here("lark_grammar.py")
     assert re.search(r"-> '.+' = -?[0-9.]+", out), out
     assert "SELECT" in out
 
 
-def test_conversation(python) -> None:
-    out = run(python, "conversation.py", "--max-tokens", "24")
+def test_conversation(run_here) -> None:
+    out = run_here("conversation.py", "--max-tokens", "24")
     cached = [int(x) for x in re.findall(r"(\d+) from cache", out)]
     assert len(cached) == 3 and cached[1] > 0 and cached[2] > cached[1]  # each turn reuses the history
     assert "7 messages in the history" in out
 
 
-def test_batch_jsonl(python) -> None:
-    out = run(python, "batch_jsonl.py", "--limit", "6")
-    assert re.search(r"\b[4-6]/6 rows valid", out), out
+def test_batch_jsonl(run_here) -> None:
+    out = run_here("batch_jsonl.py", "--limit", "6")
+    assert re.search(r"\b[4-6]/6 rows valid; fields filled: \{", out), out
