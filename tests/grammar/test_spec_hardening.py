@@ -79,3 +79,20 @@ def test_ascii_schema_patterns_is_iterative():
 def test_two_specs_in_one_call_are_a_usage_error():
     with pytest.raises(TypeError, match="at most one output constraint"):
         make_output_spec(schema={"type": "integer"}, regex="a")
+
+
+@pytest.mark.parametrize(
+    "pattern", [r"(?i)[^a\W]+", r"k(?i:[^ab\W])", r"(?mi)[a\D]x", r"[^Z\W]"], ids=str
+)
+def test_flat_classes_keep_their_meaning_under_a_case_insensitive_flag(pattern):
+    """A class holding \\W or \\D is flattened; under (?i) the flag folds the flat class too,
+    so both cases of its letters are left out (every printable ASCII character checked)."""
+    import re
+    import string
+
+    from constrained_serve.grammar.ascii_classes import ascii_classes
+
+    flat = ascii_classes(pattern)
+    assert "\\W" not in flat and "\\D" not in flat
+    for text in [*string.printable, "kb", "ka", "kA", "Bx", "1x"]:
+        assert bool(re.fullmatch(pattern, text, re.ASCII)) == bool(re.fullmatch(flat, text)), (text, flat)

@@ -11,6 +11,11 @@ of Outlines and xgrammar expect the same of ``regex=``. So both are rewritten he
   ``[^a\\W]`` -> ``[0-9A-Z_b-z]``), so that the backends and Python's ``re`` (the final output
   check) read it alike; only a class already in Rust-only syntax keeps a nested class.
 
+Under a case-insensitive flag (``(?i)``, ``(?i:...)``), a flat class leaves out both cases of
+the letters the class names (``(?i)[^a\\W]`` -> ``[0-9B-Z_b-z]``, never ``A``), since the
+flag folds the flat class too. The flag is read for the whole pattern: a class outside the
+flag's group is flattened the same way (a pattern mixing both is rare).
+
 ``\\s`` is left as it is (Unicode whitespace in ECMA-262 too). ``regex=`` with
 ``unicode_classes=True`` keeps the backend's Unicode meaning; ``\\p{Nd}`` / ``\\p{L}`` ask for
 Unicode classes explicitly in any case.
@@ -18,6 +23,7 @@ Unicode classes explicitly in any case.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .regex_scan import class_end, escape_end, regex_tokens
@@ -32,7 +38,7 @@ _DIGITS = "0123456789"
 _SETS = {"D": frozenset(_DIGITS), "W": frozenset(_DIGITS + "ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz")}
 
 
-def _class(token: str) -> str:
+def _class(token: str, fold: bool = False) -> str:
     if not token.endswith("]"):
         return token  # an unterminated class: the backend reports it
     j, end = 1, len(token) - 1
@@ -57,7 +63,7 @@ def _class(token: str) -> str:
             j = k
         elif token[j] == "[":  # a nested class (Rust syntax): rewrite it too
             k = class_end(token, j)
-            items.append(_class(token[j:k]))
+            items.append(_class(token[j:k], fold))
             nested = True
             j = k
         else:
@@ -65,18 +71,18 @@ def _class(token: str) -> str:
             j += 1
     if not complements:
         return "[" + "^" * negated + "".join(items) + "]"
-    flat = _resolve(items, complements, negated) if not nested else None
+    flat = _resolve(items, complements, negated, fold) if not nested else None
     if flat is not None:
         return flat
     # Rust's class union, which only the backends read (the class had Rust syntax already).
     return "[" + "^" * negated + "".join(items) + "".join(_OUTSIDE["\\" + c] for c in complements) + "]"
 
 
-def _resolve(items: list[str], complements: list[str], negated: bool) -> str | None:
+def _resolve(items: list[str], complements: list[str], negated: bool, fold: bool) -> str | None:
     """A class holding \\D or \\W as one flat class that every dialect reads alike: the class
     [X\\D] is everything but the digits X lacks, [^X\\D] the digits X lacks (and so for \\W and
-    its 63 ASCII word characters). None where Python cannot read X (Rust-only syntax)."""
-    import re
+    its 63 ASCII word characters). ``fold``: X read case-insensitively. None where Python
+    cannot read X (Rust-only syntax)."""
     import warnings
 
     body = "".join(items)
@@ -87,7 +93,7 @@ def _resolve(items: list[str], complements: list[str], negated: bool) -> str | N
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", FutureWarning)  # a POSIX class or set operation
-                x = re.compile("[" + body + "]")
+                x = re.compile("[" + body + "]", re.IGNORECASE if fold else 0)
         except (re.error, FutureWarning):
             return None
         left = frozenset(c for c in left if not x.fullmatch(c))
@@ -107,16 +113,21 @@ def _ranges(chars: list[str]) -> str:
     return "".join(out)
 
 
+# An inline flag group that turns case-insensitivity on: (?i), (?mi), (?i:...), (?i-s:...).
+_CASE_FLAG = re.compile(r"\(\?[a-zA-Z]*i[a-zA-Z]*(?:-[a-zA-Z]*)?[:)]")
+
+
 def ascii_classes(pattern: str) -> str:
     """``pattern`` with ``\\d``, ``\\w``, ``\\D``, ``\\W`` as ASCII classes (see module docstring)."""
     if "\\" not in pattern:
         return pattern
+    fold = _CASE_FLAG.search(pattern) is not None
     out = []
     for t in regex_tokens(pattern):
         if t in _OUTSIDE:
             out.append(_OUTSIDE[t])
         elif t.startswith("[") and "\\" in t:
-            out.append(_class(t))
+            out.append(_class(t, fold))
         else:
             out.append(t)
     return "".join(out)
