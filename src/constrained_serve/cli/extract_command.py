@@ -20,6 +20,7 @@ from .engine_setup import (
     sampling_params,
 )
 from .progress import ExtractProgress
+from .ray_terminal import native_logs_filtered, no_color_reset_at_exit, quiet_ray_loggers
 from .specs import OutputSpecArgs, SetupError, default_instructions
 
 logger = logging.getLogger("constrained_serve.cli")
@@ -171,14 +172,25 @@ class _Job:
     # -- on Ray --------------------------------------------------------------------------
     def on_ray(self, source: Any, options: Any) -> None:
         """The same items and sinks, an actor pool instead of the engine."""
+        try:
+            with native_logs_filtered(enabled=not self.args.verbose):
+                self._on_ray(source, options)
+        finally:
+            no_color_reset_at_exit()
+
+    def _on_ray(self, source: Any, options: Any) -> None:
         from ..ray.pipeline import run_job
         from ..ray.replica import ReplicaConfig
-        from ..ray.session import RaySetupError
+        from ..ray.session import RaySetupError, check_address
         from ..ray.stats import RayJobStats
 
         args, spec = self.args, self.spec
         try:
+            check_address(options.address)  # no cluster there: fail in a second, before the tokenizer loads
             compile_before_load(args, spec)  # a spec the backend refuses fails here, not in every actor
+        except RaySetupError as e:
+            self.setup_failed()
+            raise SetupError(_address_problem(args, e)) from None
         except BaseException:
             self.setup_failed()
             raise
@@ -187,11 +199,20 @@ class _Job:
         self.start_progress()
         try:
             run_job(self.items(source), self.sinks.write, config, options, stats=self.stats, on_row=self.on_row)
-        except RaySetupError as e:
+        except RaySetupError as e:  # found, answering, yet refused (a version mismatch, auth)
+            if self.stats.rows:
+                raise
             self.setup_failed()
-            given = args.ray_address or os.environ.get("RAY_ADDRESS")
-            flag = f"--ray-address {given}" if args.ray_address else f"$RAY_ADDRESS={given}"
-            raise SetupError(f"{flag}: {e}") from None
+            raise SetupError(_address_problem(args, e)) from None
+
+
+def _address_problem(args: argparse.Namespace, e: Exception) -> str:
+    """A RaySetupError's message, naming where the address came from (our flag, or $RAY_ADDRESS)."""
+    if args.ray_address:
+        return f"--ray-address {args.ray_address}: {e}"
+    if os.environ.get("RAY_ADDRESS"):
+        return f"$RAY_ADDRESS={os.environ['RAY_ADDRESS']}: {e}"
+    return str(e)
 
 
 def _ray_options(args: argparse.Namespace) -> Any:
@@ -220,9 +241,8 @@ def _ray_options(args: argparse.Namespace) -> Any:
     except RayNotInstalledError as e:
         raise SetupError(str(e)) from None
     from ..ray.pipeline import RayOptions
-    from ..ray.session import quiet_ray
 
-    quiet_ray(args.verbose)
+    quiet_ray_loggers(args.verbose)
     try:
         return RayOptions(
             address=args.ray_address,

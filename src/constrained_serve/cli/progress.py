@@ -13,7 +13,9 @@ and the ETA err long, and the ETA reads "<=": an upper bound at the current rate
 
 A daemon thread refreshes the line twice a second from ``activity()`` (the engine's
 ``Driver.activity``: rows in flight, their tokens); ``row()`` is called as rows are written.
-Without ``activity`` (a Ray job: the replicas are elsewhere) the line is rows only.
+Without ``activity`` (a Ray job: the replicas are elsewhere) the line is rows and rows/s,
+without an ETA: rows come back a batch at a time, so a rate from rows swings from hours to
+seconds within a batch.
 """
 
 from __future__ import annotations
@@ -137,8 +139,6 @@ class ExtractProgress:
             if left and rate > 0:
                 eta = max(left * per_row - flight_tokens, 0.0) / rate
                 parts.append(f"ETA {'' if measured else '<='}{_clock(eta)}")
-            elif left and self._rows:  # rows only (Ray): from rows/s
-                parts.append(f"ETA {_clock(left * elapsed / self._rows)}")
         if self._errors:
             parts.append(f"errors {self._errors}")
         self._bar.set_description_str(", ".join(parts), refresh=False)

@@ -1,4 +1,4 @@
-"""The Ray session of a job: find the cluster, fail fast when there is none, keep Ray quiet.
+"""The Ray session of a job: find the cluster, and fail fast when there is none.
 
 ``ray.init(address=...)`` with nothing listening there retries for minutes (Ray 2.60: about
 35 s per attempt, 20 attempts) and prints a C++ warning for each; ``address="auto"`` with no
@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 # Seconds to wait for the cluster's port to accept a connection. A live head answers in
 # milliseconds even across a data centre; an address that drops packets gets this long.
 CONNECT_TIMEOUT_S = 10.0
+# Something answers at the port but it is not a Ray head (another service, a proxy): Ray
+# asks it for a cluster id this many times, a second apart (its default, 20, made 30 s).
+# Read by Ray when the driver joins; a user's own setting wins.
+GCS_WAIT_ENV, JOIN_ATTEMPTS = "RAY_gcs_server_port_wait_time_s", 8
 
 
 class RaySetupError(ConnectionError):
@@ -74,9 +78,9 @@ def check_address(address: str | None) -> str | None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
             pass
     except OSError as e:
-        why = "connection refused: nothing listens there" if isinstance(e, ConnectionRefusedError) else str(e)
+        why = "connection refused" if isinstance(e, ConnectionRefusedError) else str(e) or type(e).__name__
         raise RaySetupError(
-            f"cannot reach a Ray cluster at {host_port} ({why}); start one with `ray start --head`, "
+            f"no Ray cluster answers at {host_port} ({why}); start one with `ray start --head`, "
             "or leave the address out to start a local cluster for this job",
             address,
         ) from None
@@ -91,12 +95,26 @@ def init(ray: Any, address: str | None, log_to_driver: bool = True) -> None:
     joined = check_address(address)
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": log_to_driver}
     try:
-        if joined is not None:
-            ray.init(address=joined, **kwargs)
-        else:
+        if joined is None:
             ray.init(include_dashboard=False, **kwargs)
-    except ConnectionError as e:  # found and reachable, yet refused (a version mismatch, auth)
-        raise RaySetupError(f"cannot join the Ray cluster: {e}", address) from None
+            return
+        with _env_default(GCS_WAIT_ENV, str(JOIN_ATTEMPTS)):
+            ray.init(address=joined, **kwargs)
+    except ConnectionError as e:  # reachable, yet no Ray there (another service), or it refused us
+        raise RaySetupError(f"cannot join a Ray cluster there: {e}", address) from None
+
+
+@contextlib.contextmanager
+def _env_default(name: str, value: str) -> Iterator[None]:
+    """$name=value for the block, unless the user set it."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -112,22 +130,3 @@ def ray_session(address: str | None, log_to_driver: bool = True) -> Iterator[Any
         yield ray
     finally:
         ray.shutdown()
-
-
-def quiet_ray(verbose: bool) -> None:
-    """For the command line: Ray's own chatter off unless -v. Set before ray.init, read by the
-    driver and by the processes of a cluster started here (their environment is ours).
-
-    - RAY_BACKEND_LOG_LEVEL: the C++ core's stderr lines (``core_worker.cc``: an actor's
-      constructor arguments live in the object store; on Ctrl-C, "Task ... submit failed ...
-      killed by ray.kill" for the batches the shut-down pool still held). Only fatal ones
-      are shown; every line still goes to the session's log files.
-    - The token-authentication warning Ray 2.60 logs on every ``ray.init`` (its mode is
-      unchanged: a local cluster uses tokens, a joined one keeps its own).
-    - Ray Data's "progress bars disabled" and execution start/end lines.
-    """
-    if verbose:
-        return
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
-    for name in ("ray.data", "ray._private.authentication"):
-        logging.getLogger(name).setLevel(logging.ERROR)
