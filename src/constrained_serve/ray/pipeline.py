@@ -59,6 +59,8 @@ class RayOptions:
     batch_size: int | None = None  # rows per map_batches call; default: see batch_size_for
     ordered: bool = True
     max_batch_retries: int = 3  # retries of a batch whose actor died, before its rows become error rows
+    # How long the first batch waits for every replica to load its model (see map_rows).
+    replica_start_timeout_s: float = 1800.0
     # Batches Ray Data hands one actor at once (calls, and tasks queued on it: see map_rows).
     # The actor runs them one after the other (on its engine's thread), so more than one
     # only queues a batch in a busy actor while another actor idles.
@@ -87,6 +89,10 @@ class Plan:
     num_gpus: float
     num_cpus: float
     batch_size: int
+    # Every replica fits the cluster as it is: the job then waits for all of them to be up
+    # before the first batch goes out (map_rows). Else (more replicas than room, an
+    # autoscaling cluster) batches go to the replicas that start, as they start.
+    all_fit: bool = True
 
     @property
     def threads(self) -> int | None:
@@ -108,7 +114,8 @@ def plan_pool(resources: dict[str, float], options: RayOptions, rows: int) -> Pl
         # CPU replicas split the cores: each gets its share as torch threads (Ray would
         # give an actor 1 CPU, hence OMP_NUM_THREADS=1, a 2x slowdown on 2 cores).
         num_cpus = options.cpus_per_replica or max(1.0, float(int(cpus // replicas)))
-    return Plan(replicas, per_gpu, num_cpus, options.batch_size or batch_size_for(rows, replicas))
+    fits = replicas * num_cpus <= cpus and replicas * per_gpu <= gpus
+    return Plan(replicas, per_gpu, num_cpus, options.batch_size or batch_size_for(rows, replicas), fits)
 
 
 def batch_size_for(rows: int, replicas: int) -> int:
@@ -159,6 +166,11 @@ def map_rows(ray: Any, items: Any, config: ReplicaConfig, plan: Plan, options: R
     ctx = rows.context
     ctx.execution_options.preserve_order = options.ordered
     ctx.max_errored_blocks = -1  # a batch that fails every retry: its rows get error rows (driver)
+    if plan.all_fit:
+        # No batch goes out before every replica is up. Else the replica whose model loaded
+        # first takes the first batch, and with small batches (a tiny model, a fast GPU) the
+        # next ones too, before the others are ready: every replica gets rows from the start.
+        ctx.wait_for_min_actors_s = int(options.replica_start_timeout_s)
     ctx.enable_progress_bars = options.progress
     return rows
 
