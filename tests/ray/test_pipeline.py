@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,13 +184,20 @@ def test_ray_flags_need_ray_and_a_missing_ray_fails_at_once(tmp_path, capsys, mo
         extract(src, out)
 
 
-def test_ray_rows_equal_local_rows(cluster, tiny_llama_dir, tmp_path) -> None:
+def test_ray_rows_equal_local_rows_and_every_replica_gets_rows(cluster, tiny_llama_dir, tmp_path, capsys) -> None:
     lines = input_lines()
     src = write_input(tmp_path / "in.jsonl", lines)
     local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     assert main(["extract", str(src), "-o", str(local)] + common_args(tiny_llama_dir)) == 0
-    argv = ["extract", str(src), "-o", str(on_ray), "--ray", "--replicas", "2", "--batch-size", "3"]
-    assert main(argv + common_args(tiny_llama_dir)) == 0
+    # The default batch size: rows / replicas, 2 batches of 9 here. Ray Data used to queue
+    # both on the replica whose model loaded first (the 36 demo rows all went to one of 2);
+    # a tiny model's batch takes a second, so without waiting for both replicas to be up the
+    # first would have taken the second batch too.
+    argv = ["extract", str(src), "-o", str(on_ray), "--ray", "--replicas", "2"]
+    capsys.readouterr()
+    assert main(argv + common_args(tiny_llama_dir)[:-1]) == 0  # not -q: the summary has each replica's rows
+    per_replica = [int(n) for n in re.findall(r"^replica \w+: (\d+) rows", capsys.readouterr().err, re.M)]
+    assert len(per_replica) == 2 and min(per_replica) > 0, per_replica
     # Ordered by default: the same rows, line for line (bad lines, duplicate ids, outputs,
     # token counts), but for cached_tokens: each replica warms its own prefix cache.
     got = rows(on_ray)
@@ -205,26 +213,22 @@ def test_ray_rows_equal_local_rows(cluster, tiny_llama_dir, tmp_path) -> None:
     assert rows(on_ray) == got
 
 
-def test_python_entry_point_every_replica_gets_rows_and_dataset_out(cluster, tiny_llama_dir, tmp_path) -> None:
+def test_python_entry_point_and_dataset_out(cluster, tiny_llama_dir, tmp_path) -> None:
     from constrained_serve.params import SamplingParams
     from constrained_serve.ray import RayJobStats, extract
 
     lines = input_lines(6)
     src = write_input(tmp_path / "in.jsonl", lines)
-    kw = dict(model=str(tiny_llama_dir), engine_kwargs={"num_threads": 1})
+    # One replica, batches of 2 (rows across batches in order): each run starts its actors
+    # afresh, and what two replicas do is checked above.
+    kw = dict(model=str(tiny_llama_dir), engine_kwargs={"num_threads": 1}, replicas=1, batch_size=2)
     params = SamplingParams(max_tokens=8)
-    # The default batch size (rows / replicas: 2 batches of 6 here). Ray Data used to queue
-    # both on the replica whose model loaded first (the 36 demo rows all went to one of 2);
-    # a tiny model's batch takes under a second, so without waiting for both replicas the
-    # first would take the second batch too.
-    stats = extract(src, tmp_path / "out.jsonl", params=params, replicas=2, **kw)
+    stats = extract(src, tmp_path / "out.jsonl", params=params, **kw)
     assert isinstance(stats, RayJobStats) and stats.rows == len(expected_keys(lines))
-    assert len(stats.replicas) == 2 and all(r.rows > 0 for r in stats.replicas.values()), stats.summary()
     assert sum(r.rows for r in stats.replicas.values()) == stats.rows
     assert "replica " in stats.summary() and "valid rate" in stats.summary()
     written = rows(tmp_path / "out.jsonl")
 
-    kw.update(replicas=1, batch_size=2)  # one actor to start per run from here on
     ds = extract(src, params=params, **kw)  # no output: a lazy Dataset of rows
     assert without_cache_counts([json.loads(r["row"]) for r in ds.take_all()]) == without_cache_counts(written)
 
@@ -261,7 +265,8 @@ def test_a_killed_replica_is_restarted_and_its_batch_retried(cluster, tiny_llama
 
     killer = threading.Thread(target=kill_one_replica)
     killer.start()
-    argv = ["extract", str(src), "-o", str(out), "--ray", "--replicas", "2", "--batch-size", "3"]
+    # One replica: killing it leaves no other to take its batch; Ray must restart it.
+    argv = ["extract", str(src), "-o", str(out), "--ray", "--replicas", "1", "--batch-size", "3"]
     assert main(argv + common_args(tiny_llama_dir, max_tokens=24)) == 0
     killer.join()
     assert killed, "no replica was killed: the test did not test anything"

@@ -4,6 +4,7 @@ line, locally or on a Ray cluster (``--ray``, constrained_serve/ray)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -59,8 +60,10 @@ def cmd_extract(args: argparse.Namespace) -> int:
     job = _Job(args, sinks, builder, spec, params)
     try:
         # Ctrl-C stops at once, even mid-step: every finished row is written already, and
-        # the engine's state after it does not matter to a job that stops (interrupts.py).
-        with interrupt_at_first_press():
+        # the state of an engine loaded for this job does not matter once it stops
+        # (interrupts.py). An Engine passed in (a notebook's) keeps the step-end wait.
+        owned = args.engine is None
+        with interrupt_at_first_press() if owned else contextlib.nullcontext():
             if ray_options is not None:
                 job.on_ray(source, ray_options)
             else:
