@@ -10,12 +10,20 @@ scaling ratio (N replicas / 1 replica) and the overhead of 1 replica against the
 CPU: N = 2 on a 2-core machine cannot scale (2 replicas of 1 thread each against 1 of 2
 threads: the same cores). GPU: N = the number of GPUs, one per replica.
 
-    python benchmarks/ray_scaling.py [--n 72] [--repeats 3] [--max-tokens 96] [--batch-size B]
+With ``--processes`` every run is a ``python -m constrained_serve.cli`` process instead (the
+Ray runs joining the cluster started here with ``--ray-address``): what a user times with
+``time constrained-serve extract ...``, where the local job pays the imports of torch and
+the model code as a Ray replica does. In-process (the default), the local job finds them
+imported already by this script, and a replica, a new process, does not.
+
+    python benchmarks/ray_scaling.py [--n 72] [--repeats 3] [--max-tokens 96] [--batch-size B] [--processes]
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,9 +47,15 @@ def workload(path: Path, n: int) -> None:
             f.write(json.dumps({"id": f"{t['id']}-{i}", "text": t["text"]}) + "\n")
 
 
-def run(argv: list[str], out: Path) -> tuple[float, int]:
+def run(argv: list[str], out: Path, processes: bool) -> tuple[float, int]:
     t = time.perf_counter()
-    assert main(argv + ["-o", str(out), "-q"]) == 0
+    if processes:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "constrained_serve.cli"] + argv + ["-o", str(out), "-q"]
+        done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    else:
+        assert main(argv + ["-o", str(out), "-q"]) == 0
     secs = time.perf_counter() - t
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return secs, sum("output" in r for r in rows)
@@ -50,6 +64,7 @@ def run(argv: list[str], out: Path) -> tuple[float, int]:
 def main_bench() -> None:
     ap = engine_parser(__doc__, repeats=3, n=72, max_tokens=96)
     ap.add_argument("--batch-size", type=int, default=None, help="--batch-size of the Ray runs (default: auto)")
+    ap.add_argument("--processes", action="store_true", help="each run a CLI process (see above)")
     args = ap.parse_args()
     import ray
 
@@ -64,6 +79,8 @@ def main_bench() -> None:
         base += ["--model", args.model]
     local = base + ([] if gpus else ["--threads", str(args.threads)])
     ray_args = base + ["--ray"] + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
+    if args.processes:
+        ray_args += ["--ray-address", ray.get_runtime_context().gcs_address]
     systems = {
         "local": local,
         "ray_1": ray_args + ["--replicas", "1"] + (["--gpus-per-replica", "1"] if gpus else []),
@@ -73,10 +90,13 @@ def main_bench() -> None:
     for k in range(args.repeats):
         for name, argv in systems.items():
             out = tmp / f"{name}-{k}.jsonl"
-            secs, ok = run(argv, out)
+            secs, ok = run(argv, out, args.processes)
             runs[name].append((secs, ok))
+            load = os.getloadavg()[0]  # other work on the machine skews every figure: say how much
             print(
-                f"  round {k + 1}: {name:<8} {secs:6.1f} s  {args.n / secs:6.2f} rows/s  ok {ok}/{args.n}", flush=True
+                f"  round {k + 1}: {name:<8} {secs:6.1f} s  {args.n / secs:6.2f} rows/s  ok {ok}/{args.n}  "
+                f"load {load:.1f}",
+                flush=True,
             )
     ray.shutdown()
     rows_s = {name: median([args.n / s for s, _ in rs]) for name, rs in runs.items()}

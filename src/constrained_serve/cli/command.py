@@ -217,6 +217,7 @@ def main(argv: Sequence[str] | None = None, *, engine: Any = None) -> int:
     instead of loading one (from Python: a notebook or a test that already has one)."""
     args = build_parser().parse_args(argv)
     args.engine = engine
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # the command a resume reruns
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="constrained-serve: %(message)s"
     )

@@ -4,11 +4,14 @@ line, locally or on a Ray cluster (``--ray``, constrained_serve/ray)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import re
 import sys
 from typing import Any
 
+from ..engine.interrupts import interrupt_at_first_press
 from .engine_setup import (
     compile_before_load,
     engine_kwargs,
@@ -17,6 +20,8 @@ from .engine_setup import (
     output_spec,
     sampling_params,
 )
+from .progress import ExtractProgress
+from .ray_terminal import native_logs_filtered, no_color_reset_at_exit, quiet_ray_loggers
 from .specs import OutputSpecArgs, SetupError, default_instructions
 
 logger = logging.getLogger("constrained_serve.cli")
@@ -32,7 +37,7 @@ def _open_input(path: str) -> Any:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    from ..extract.job import JobStats, PromptBuilder, count_rows, read_items, run_extract
+    from ..extract.job import PromptBuilder
     from ..extract.output import OutputFileError, open_sinks
 
     if args.max_in_flight < 1:
@@ -54,62 +59,183 @@ def cmd_extract(args: argparse.Namespace) -> int:
     except (OutputFileError, OSError) as e:
         raise SetupError(str(e)) from None
 
+    job = _Job(args, sinks, builder, spec, params)
     try:
-        show_progress = not args.quiet and sys.stderr.isatty()
-        total = count_rows(args.input) if show_progress and args.input != "-" else None
-        if ray_options is not None:
-            return _extract_on_ray(args, ray_options, source, builder, spec, params, sinks, show_progress)
+        # Ctrl-C stops at once, even mid-step: every finished row is written already, and
+        # the state of an engine loaded for this job does not matter once it stops
+        # (interrupts.py). An Engine passed in (a notebook's) keeps the step-end wait.
+        owned = args.engine is None
+        with interrupt_at_first_press() if owned else contextlib.nullcontext():
+            if ray_options is not None:
+                job.on_ray(source, ray_options)
+            else:
+                job.local(source)
+    except KeyboardInterrupt:
+        job.close()
+        print(f"constrained-serve: interrupted. {job.interrupted_message()}", file=sys.stderr)
+        return 130
+    finally:
+        job.close()
+        if source is not sys.stdin.buffer:
+            source.close()
+    if not args.quiet:
+        where = args.output + (f" (error rows: {args.errors})" if args.errors else "")
+        print(f"{job.stats.summary()}\noutput: {where}", file=sys.stderr)
+    return 0
+
+
+class _Job:
+    """One run of the extract command: its output files, counters and progress line."""
+
+    def __init__(self, args: argparse.Namespace, sinks: Any, builder: Any, spec: OutputSpecArgs, params: Any):
+        from ..extract.job import JobStats
+
+        self.args, self.sinks, self.builder, self.spec, self.params = args, sinks, builder, spec, params
+        self.stats: Any = JobStats()
+        self.show_progress = not args.quiet and sys.stderr.isatty()
+        self.progress: ExtractProgress | None = None
+        self._closed = False
+
+    def items(self, source: Any) -> Any:
+        from ..extract.job import read_items
+
+        def on_skip(_item: Any) -> None:
+            self.stats.skipped += 1
+
+        return read_items(source, self.builder, id_field=self.args.id_field, done=self.sinks.done, on_skip=on_skip)
+
+    def on_row(self, row: dict[str, Any], _stats: Any) -> None:
+        if self.progress is not None:
+            self.progress.row(row)
+
+    def start_progress(self, activity: Any = None) -> None:
+        from ..extract.job import count_rows
+
+        if not self.show_progress:
+            return
+        total = count_rows(self.args.input) if self.args.input != "-" else None
+        done = len(self.sinks.done)
+        left = max(total - done, 0) if total is not None else None
+        self.progress = ExtractProgress(left, done, self.args.max_tokens, activity)
+
+    def setup_failed(self) -> None:
+        """Nothing ran: no empty output file is left behind."""
+        self.close()
+        self.sinks.remove_if_unused()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.progress is not None:
+            self.progress.close()
+        self.sinks.close()
+
+    def interrupted_message(self) -> str:
+        """What was kept, and the command that resumes (the one just run)."""
+        import shlex
+
+        sinks = self.sinks
+        kept = self.stats.rows + sinks.out.rows_before + (sinks.errors.rows_before if sinks.errors else 0)
+        command = shlex.join(["constrained-serve"] + list(getattr(self.args, "argv", None) or sys.argv[1:]))
+        return (
+            f"{self.stats.rows} rows written in this run ({kept} in all) are kept; "
+            f"to resume, rerun the same command (rows already written are skipped):\n  {command}"
+        )
+
+    # -- locally -----------------------------------------------------------------------------
+    def local(self, source: Any) -> None:
+        from ..extract.job import run_extract
+
+        args, spec = self.args, self.spec
         try:
             compile_before_load(args, spec)
             engine = load_engine(args)
         except BaseException:
-            sinks.remove_if_unused()  # no empty output file left behind by a failed set-up
+            self.setup_failed()  # no empty output file left behind by a failed set-up
             raise
-        stats = JobStats()
-        bar = _progress_bar(total, len(sinks.done)) if show_progress else None
-
-        def on_skip(_item: Any) -> None:
-            stats.skipped += 1
-
-        def on_row(row: dict[str, Any], st: JobStats) -> None:
-            if bar is not None:
-                bar.update(1)
-                secs = max(bar.format_dict.get("elapsed", 0.0), 1e-9)
-                bar.set_postfix(
-                    tok_s=f"{st.completion_tokens / secs:.0f}", errors=st.failed + st.truncated, refresh=False
-                )
-
-        items = read_items(source, builder, id_field=args.id_field, done=sinks.done, on_skip=on_skip)
+        driver = getattr(engine, "driver", None)
+        self.start_progress(driver.activity if driver is not None else None)
         try:
             run_extract(
                 engine,
-                items,
-                sinks.write,
-                params,
+                self.items(source),
+                self.sinks.write,
+                self.params,
                 spec.kwargs,
                 json_output=spec.json_output,
-                stats=stats,
-                on_row=on_row,
+                stats=self.stats,
+                on_row=self.on_row,
                 max_in_flight=args.max_in_flight,
                 spans=args.spans,
             )
         except Exception as e:
-            if is_grammar_error(e) and stats.rows == 0:
-                sinks.remove_if_unused()
+            if is_grammar_error(e) and self.stats.rows == 0:
+                self.setup_failed()
                 raise SetupError(f"{spec.label}: {e}") from None
             raise
-        finally:
-            if bar is not None:
-                bar.close()
-    finally:
-        sinks.close()
-        if source is not sys.stdin.buffer:
-            source.close()
 
-    if not args.quiet:
-        where = args.output + (f" (error rows: {args.errors})" if args.errors else "")
-        print(f"{stats.summary()}\noutput: {where}", file=sys.stderr)
-    return 0
+    # -- on Ray --------------------------------------------------------------------------
+    def on_ray(self, source: Any, options: Any) -> None:
+        """The same items and sinks, an actor pool instead of the engine."""
+        try:
+            with native_logs_filtered(enabled=not self.args.verbose):
+                self._on_ray(source, options)
+        finally:
+            no_color_reset_at_exit()
+
+    def _on_ray(self, source: Any, options: Any) -> None:
+        from ..ray.pipeline import run_job
+        from ..ray.replica import ReplicaConfig
+        from ..ray.session import RaySetupError, check_address
+        from ..ray.stats import RayJobStats
+
+        args, spec = self.args, self.spec
+        try:
+            check_address(options.address)  # no cluster there: fail in a second, before the tokenizer loads
+        except RaySetupError as e:
+            self.setup_failed()
+            raise SetupError(_address_problem(args, e)) from None
+        # The spec compiles here while the cluster starts the replicas (their imports and
+        # model loads take seconds): on 2 cores, in turn, it was 1-2 s of a 17 s job. A spec
+        # the backend refuses still fails the job before any row is written (write waits).
+        compiling = _in_thread(compile_before_load, args, spec)
+
+        def write(row: dict[str, Any]) -> None:
+            compiling.result()
+            self.sinks.write(row)
+
+        config = ReplicaConfig(engine_kwargs(args), self.params, spec.kwargs, spec.json_output)
+        self.stats = RayJobStats(skipped=self.stats.skipped)
+        self.start_progress()
+        try:
+            run_job(self.items(source), write, config, options, stats=self.stats, on_row=self.on_row)
+            compiling.result()  # also when no row was left to run
+        except (RaySetupError, SetupError) as e:  # RaySetupError: found, answering, yet refused (auth)
+            if self.stats.rows:
+                raise
+            self.setup_failed()
+            raise e if isinstance(e, SetupError) else SetupError(_address_problem(args, e)) from None
+
+
+def _in_thread(fn: Any, *args: Any) -> Any:
+    """fn(*args) started on a thread of its own; its Future."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=getattr(fn, "__name__", "task"))
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _address_problem(args: argparse.Namespace, e: Exception) -> str:
+    """A RaySetupError's message, naming where the address came from (our flag, or $RAY_ADDRESS)."""
+    if args.ray_address:
+        return f"--ray-address {args.ray_address}: {e}"
+    if os.environ.get("RAY_ADDRESS"):
+        return f"$RAY_ADDRESS={os.environ['RAY_ADDRESS']}: {e}"
+    return str(e)
 
 
 def _ray_options(args: argparse.Namespace) -> Any:
@@ -139,78 +265,19 @@ def _ray_options(args: argparse.Namespace) -> Any:
         raise SetupError(str(e)) from None
     from ..ray.pipeline import RayOptions
 
-    if not args.verbose:  # Ray Data logs each dataset's start and end at INFO
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
-
+    quiet_ray_loggers(args.verbose)
     try:
         return RayOptions(
             address=args.ray_address,
             replicas=args.replicas,
             gpus_per_replica=args.gpus_per_replica,
             batch_size=args.batch_size,
+            log_to_driver=args.verbose,
         )
     except ValueError as e:
         raise SetupError(str(e).replace("_", "-")) from None
 
 
-def _extract_on_ray(
-    args: argparse.Namespace,
-    options: Any,
-    source: Any,
-    builder: Any,
-    spec: OutputSpecArgs,
-    params: Any,
-    sinks: Any,
-    show_progress: bool,
-) -> int:
-    """cmd_extract on a Ray cluster: the same items and sinks, an actor pool instead of the engine."""
-    from ..extract.job import count_rows, read_items
-    from ..ray.pipeline import run_job
-    from ..ray.replica import ReplicaConfig
-    from ..ray.stats import RayJobStats
-
-    try:
-        compile_before_load(args, spec)  # a spec the backend refuses fails here, not in every actor
-    except BaseException:
-        sinks.remove_if_unused()
-        raise
-    config = ReplicaConfig(engine_kwargs(args), params, spec.kwargs, spec.json_output)
-    stats = RayJobStats()
-    total = count_rows(args.input) if show_progress and args.input != "-" else None
-    bar = _progress_bar(total, len(sinks.done)) if show_progress else None
-
-    def on_skip(_item: Any) -> None:
-        stats.skipped += 1
-
-    def on_row(_row: dict[str, Any], st: Any) -> None:
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(errors=st.failed + st.truncated, refresh=False)
-
-    items = read_items(source, builder, id_field=args.id_field, done=sinks.done, on_skip=on_skip)
-    try:
-        run_job(items, sinks.write, config, options, stats=stats, on_row=on_row)
-    finally:
-        if bar is not None:
-            bar.close()
-    if not args.quiet:
-        where = args.output + (f" (error rows: {args.errors})" if args.errors else "")
-        print(f"{stats.summary()}\noutput: {where}", file=sys.stderr)
-    return 0
-
-
 def _unescape(text: str) -> str:
     """\\n, \\t and \\\\ as typed in a shell's double quotes, read as newline, tab, backslash."""
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
-
-
-def _progress_bar(total: int | None, initial: int) -> Any:
-    import shutil
-
-    from tqdm import tqdm
-
-    # A terminal that reports 0 columns (some ptys) would get an empty bar: fall back to 100.
-    width = shutil.get_terminal_size((100, 20)).columns or 100
-    # total counts every non-blank input line; rows done by an earlier run start it off.
-    start = min(initial, total) if total else 0
-    return tqdm(total=total, initial=start, unit="row", ncols=width, file=sys.stderr, desc="extract")

@@ -43,7 +43,7 @@ from ..runtime.runner import ModelRunner
 from ..runtime.sampler import SampledTokens, Sampler, record_prompt_logprobs
 from .batch import Batch
 from .detokenizer import IncrementalDetokenizer, batch_decoder
-from .interrupts import sigint_deferred
+from .interrupts import first_press_interrupts, sigint_deferred
 from .request import OutputText, Request
 from .scheduler import Scheduler
 from .step_update import StepUpdater
@@ -247,14 +247,16 @@ class EngineCore:
         self._launched = None
         if self.grammar is not None:
             self.grammar.abandon_all()  # every matcher is rebuilt from its history when next used
-        why = "interrupted by a second Ctrl-C in the middle of a step"
+        planned = first_press_interrupts()  # the caller stops at Ctrl-C: nothing to warn about
+        why = f"interrupted by {'Ctrl-C' if planned else 'a second Ctrl-C'} in the middle of a step"
         for r in self.scheduler.drop_all():
             self._drop_placeholder(r)
             r.finish_reason, r.error, r.error_type = "abort", why, "KeyboardInterrupt"
             self._finished.append(r)
         # The conversations keep their history; their next turn recomputes its KV.
         self.kv.reset()  # their pins too
-        logger.warning("%s: every unfinished request failed, the KV cache was cleared", why)
+        log = logger.debug if planned else logger.warning
+        log("%s: every unfinished request failed, the KV cache was cleared", why)
 
     def _step(self) -> None:
         if self.grammar is not None:

@@ -51,6 +51,18 @@ class Driver:
         """The core lock (re-entrant): held while the core is driven or the cache changed."""
         return self._lock
 
+    def activity(self) -> tuple[int, int]:
+        """(unfinished requests, output tokens they hold so far), for a progress display.
+
+        Read without the lock, from any thread (a display refreshing while the main thread
+        steps): a snapshot up to a step old. Copying the dict's values is one C call under
+        the GIL, so it sees the dict whole; the counts are plain ints."""
+        try:
+            requests = list(self.core.scheduler.unfinished.values())
+        except RuntimeError:  # resized meanwhile (a free-threaded build): the next read gets it
+            return 0, 0
+        return len(requests), sum(r.num_output for r in requests)
+
     def add(self, requests: Iterable[Request]) -> None:
         """Queue requests on the core; the next step schedules them."""
         with self._lock:

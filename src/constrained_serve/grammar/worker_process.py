@@ -6,18 +6,27 @@ closes the connection or kills it.
 
 from __future__ import annotations
 
-import logging
-import mmap
-import os
-import sys
-import threading
-import time
-import traceback
-from multiprocessing.connection import Connection
+import signal
 
-import numpy as np
+# Ctrl-C in a terminal reaches every process of its foreground group, this one too. The
+# engine decides what a Ctrl-C means (it stops, then closes or kills its workers); a worker
+# that died of it instead made the engine restart it, or report "grammar worker died
+# (Connection reset by peer)", while the user only asked to stop. Set before the imports
+# below, so the window in which a press still kills the worker is the interpreter's start.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-from .shared_memory import PAGE, ProgressCell
+import logging  # noqa: E402
+import mmap  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from multiprocessing.connection import Connection  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from .shared_memory import PAGE, ProgressCell  # noqa: E402
 
 # The CPU time stamped before an item is read again only after this long: the engine's clock
 # (/proc) ticks every 10 ms and allows a tick of slack, so a reading up to 1 ms old changes no

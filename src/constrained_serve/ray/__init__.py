@@ -12,6 +12,7 @@ from .availability import INSTALL_HINT, RayNotInstalledError, require_ray
 from .entry import extract
 from .pipeline import REPLICA_FAILED, RayOptions, run_job
 from .replica import ExtractReplica, ReplicaConfig
+from .session import RaySetupError
 from .stats import RayJobStats, ReplicaStats
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "RayJobStats",
     "RayNotInstalledError",
     "RayOptions",
+    "RaySetupError",
     "ReplicaConfig",
     "ReplicaStats",
     "extract",

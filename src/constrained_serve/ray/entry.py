@@ -15,8 +15,9 @@ from typing import Any
 from ..extract.job import PromptBuilder, parse_record, read_items
 from ..extract.output import open_sinks
 from .availability import require_ray
-from .pipeline import RayOptions, init, items_dataset, map_rows, plan_pool, run_job
+from .pipeline import RayOptions, items_dataset, map_rows, plan_pool, run_job
 from .replica import ReplicaConfig, item_record
+from .session import init
 from .stats import RayJobStats
 
 

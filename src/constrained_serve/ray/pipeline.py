@@ -30,19 +30,17 @@ and its rows get error rows of type ``replica_failed``: one bad row cannot fail 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ..extract.job import InputItem
-from .availability import require_ray
 from .replica import FINISHED, KEY, REPLICA, ROW, STARTED, ExtractReplica, ReplicaConfig, item_record
+from .session import ray_session
 from .stats import RayJobStats
 
 logger = logging.getLogger(__name__)
@@ -61,11 +59,14 @@ class RayOptions:
     batch_size: int | None = None  # rows per map_batches call; default: see batch_size_for
     ordered: bool = True
     max_batch_retries: int = 3  # retries of a batch whose actor died, before its rows become error rows
-    # Batches Ray Data hands one actor at once. The actor runs them one after the other (on
-    # its engine's thread), so more than one only queues a batch in a busy actor while
-    # another actor idles: with 2, one of 2 replicas took both batches of a 72-row job.
+    # How long the first batch waits for every replica to load its model (see map_rows).
+    replica_start_timeout_s: float = 1800.0
+    # Batches Ray Data hands one actor at once (calls, and tasks queued on it: see map_rows).
+    # The actor runs them one after the other (on its engine's thread), so more than one
+    # only queues a batch in a busy actor while another actor idles.
     concurrent_batches: int = 1
     progress: bool = False  # Ray Data's progress bars
+    log_to_driver: bool = True  # the replicas' stdout and stderr printed by the driver (ray.init)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "batch_size"):
@@ -88,6 +89,10 @@ class Plan:
     num_gpus: float
     num_cpus: float
     batch_size: int
+    # Every replica fits the cluster as it is: the job then waits for all of them to be up
+    # before the first batch goes out (map_rows). Else (more replicas than room, an
+    # autoscaling cluster) batches go to the replicas that start, as they start.
+    all_fit: bool = True
 
     @property
     def threads(self) -> int | None:
@@ -109,7 +114,8 @@ def plan_pool(resources: dict[str, float], options: RayOptions, rows: int) -> Pl
         # CPU replicas split the cores: each gets its share as torch threads (Ray would
         # give an actor 1 CPU, hence OMP_NUM_THREADS=1, a 2x slowdown on 2 cores).
         num_cpus = options.cpus_per_replica or max(1.0, float(int(cpus // replicas)))
-    return Plan(replicas, per_gpu, num_cpus, options.batch_size or batch_size_for(rows, replicas))
+    fits = replicas * num_cpus <= cpus and replicas * per_gpu <= gpus
+    return Plan(replicas, per_gpu, num_cpus, options.batch_size or batch_size_for(rows, replicas), fits)
 
 
 def batch_size_for(rows: int, replicas: int) -> int:
@@ -123,40 +129,21 @@ def batch_size_for(rows: int, replicas: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# the cluster
-
-
-def init(ray: Any, address: str | None) -> None:
-    """ray.init: join ``address`` (or $RAY_ADDRESS), else start a local cluster without the
-    dashboard (not needed here; Ray refuses dashboard options when joining a cluster)."""
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, logging_level=logging.WARNING)
-    else:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
-
-
-@contextlib.contextmanager
-def ray_session(address: str | None) -> Iterator[Any]:
-    """Ray, connected: a running session is used as is; one started here is shut down on exit."""
-    ray = require_ray()
-    if ray.is_initialized():
-        yield ray
-        return
-    logger.info("connecting to Ray (%s)", address or "$RAY_ADDRESS or a new local cluster")
-    init(ray, address)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-# ---------------------------------------------------------------------------------------
 # the pipeline
 
 
 def map_rows(ray: Any, items: Any, config: ReplicaConfig, plan: Plan, options: RayOptions) -> Any:
     """items Dataset (columns seq, key, item) -> rows Dataset (replica.OUTPUT_COLUMNS), lazily."""
-    compute = ray.data.ActorPoolStrategy(size=plan.replicas, max_concurrent_calls_per_actor=options.concurrent_batches)
+    # Ray Data queues up to twice an actor's concurrency on it by default, and hands batches
+    # to the first actor that is up: with 2 replicas and the 36 demo rows (2 batches of 18)
+    # the replica that loaded its model first took both, the other none. One task in flight
+    # per actor: a batch waits for a free replica, so each of the first batches goes to a
+    # different one. (The next batch is not prefetched; it is a local object-store read.)
+    compute = ray.data.ActorPoolStrategy(
+        size=plan.replicas,
+        max_concurrent_calls_per_actor=options.concurrent_batches,
+        max_tasks_in_flight_per_actor=options.concurrent_batches,
+    )
     resources: dict[str, Any] = {"num_gpus": plan.num_gpus} if plan.num_gpus else {"num_cpus": plan.num_cpus}
     if config.num_threads is None and plan.threads is not None:
         config = ReplicaConfig(**{**config.__dict__, "num_threads": plan.threads})
@@ -179,6 +166,11 @@ def map_rows(ray: Any, items: Any, config: ReplicaConfig, plan: Plan, options: R
     ctx = rows.context
     ctx.execution_options.preserve_order = options.ordered
     ctx.max_errored_blocks = -1  # a batch that fails every retry: its rows get error rows (driver)
+    if plan.all_fit:
+        # No batch goes out before every replica is up. Else the replica whose model loaded
+        # first takes the first batch, and with small batches (a tiny model, a fast GPU) the
+        # next ones too, before the others are ready: every replica gets rows from the start.
+        ctx.wait_for_min_actors_s = int(options.replica_start_timeout_s)
     ctx.enable_progress_bars = options.progress
     return rows
 
@@ -217,7 +209,7 @@ def run_job(
         if on_row is not None:
             on_row(row, stats)
 
-    with ray_session(options.address) as ray:
+    with ray_session(options.address, options.log_to_driver) as ray:
         plan = plan_pool(ray.cluster_resources(), options, len(records))
         logger.info(
             "ray: %d rows, %d replicas (%s each), batches of %d",
