@@ -81,9 +81,7 @@ def test_two_specs_in_one_call_are_a_usage_error():
         make_output_spec(schema={"type": "integer"}, regex="a")
 
 
-@pytest.mark.parametrize(
-    "pattern", [r"(?i)[^a\W]+", r"k(?i:[^ab\W])", r"(?mi)[a\D]x", r"[^Z\W]"], ids=str
-)
+@pytest.mark.parametrize("pattern", [r"(?i)[^a\W]+", r"k(?i:[^ab\W])", r"(?mi)[a\D]x", r"[^Z\W]"], ids=str)
 def test_flat_classes_keep_their_meaning_under_a_case_insensitive_flag(pattern):
     """A class holding \\W or \\D is flattened; under (?i) the flag folds the flat class too,
     so both cases of its letters are left out (every printable ASCII character checked)."""
