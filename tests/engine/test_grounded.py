@@ -66,4 +66,3 @@ def test_default_model_quotes_the_user_message(engine):
         assert message[start:end] == r.json[path[2:]]
     if r.spans:
         assert "<mark" in r._repr_html_() and "spans=" in repr(r)
-
