@@ -15,7 +15,7 @@ import pytest
 
 from constrained_serve.errors import GrammarError
 from constrained_serve.grammar.grounded_lark import grounded_grammar
-from constrained_serve.grammar.grounding import chunks, find_span, spans_of
+from constrained_serve.grammar.grounding import chunks, find_span, has_matching_span, spans_of
 from constrained_serve.grammar.output_check import parse_output
 from constrained_serve.grammar.spec import make_output_spec
 from constrained_serve.params import Grounding
@@ -63,6 +63,7 @@ def walk(backend, tokenizer, compiled, seed: int, max_steps: int = 400) -> str |
     m = backend.new_matcher(compiled)
     bm = allocate_bitmask(1, MODEL_VOCAB)
     ids: list[int] = []
+    eos = tokenizer.eos_token_id  # once: the tokenizer's attribute lookup is slow
     for _ in range(max_steps):
         if m.is_finished():
             break
@@ -73,13 +74,13 @@ def walk(backend, tokenizer, compiled, seed: int, max_steps: int = 400) -> str |
             continue
         m.fill_bitmask(bm, 0)
         allowed = [int(t) for t in np.flatnonzero(allowed_tokens(bm[0], MODEL_VOCAB))]
-        choice = [t for t in allowed if t != tokenizer.eos_token_id] or allowed
+        choice = [t for t in allowed if t != eos] or allowed
         t = rng.choice(choice)
         assert m.accept_tokens([t])
         ids.append(t)
     if not m.is_finished():
         return None
-    return tokenizer.decode([i for i in ids if i != tokenizer.eos_token_id])
+    return tokenizer.decode([i for i in ids if i != eos])
 
 
 def check(spec, text: str) -> dict:
@@ -252,3 +253,89 @@ def test_xgrammar_refuses_with_the_reason_and_the_cache_keeps_grounded_grammars_
         assert m.stats["misses"] == misses + 1
     finally:
         m.close()
+
+
+EMAIL = r"^[^@\s]+@[^@\s]+\.[a-z]+$"
+
+
+def test_a_pattern_and_a_span_both_hold_and_no_matching_span_leaves_only_null(llg, tokenizer):
+    schema = {
+        "type": "object",
+        "properties": {
+            "email": {"type": ["string", "null"], "pattern": EMAIL},
+            "amount": {"type": ["string", "null"], "pattern": "[0-9]"},  # a search, as JSON Schema reads it
+            "path": {"type": ["string", "null"], "pattern": "^a/b"},  # a slash inside the Lark regex
+            "free": {"type": ["string", "null"], "pattern": "x", "maxLength": 4, "x-grounded": False},  # opted out
+            "day": {"type": ["string", "null"], "format": "date"},  # keeps its own constraint
+        },
+        "required": ["email", "amount", "path", "free", "day"],
+    }
+    source = 'Mail zoe@acme.de or "x"@y.org, pay 45 EUR, see a/b/c.'
+    spec = grounded(schema, all_strings=True, source=source)
+    compiled = llg.compile(spec)
+
+    def ok(email="null", amount="null", path="null", free="null", day="null") -> bool:
+        return llg.matches(compiled, f'{{"email":{email},"amount":{amount},"path":{path},"free":{free},"day":{day}}}')
+
+    assert ok() and ok('"zoe@acme.de"', '"45 EUR"', '"a/b/c"') and ok(amount='"pay 45"', path='"a/b"')
+    assert ok(free='"xyz"', day='"2024-01-31"')  # neither is grounded
+    assert not ok('"Mail zoe@acme.de"') and not ok('"acme.de"') and not ok('"zoe@example.de"')  # pattern / span
+    assert not ok(amount='"EUR"') and not ok(path='"b/c"')
+    # a span holding a quote is never a pattern field's value (the pattern reads the value, not its escapes)
+    assert not ok('"\\"x\\"@y.org"')
+    texts = [t for t in (walk(llg, tokenizer, compiled, seed) for seed in range(4)) if t is not None]
+    assert len(texts) >= 3
+    for text in texts:
+        check(spec, text)
+
+    # no span of this source is an email: after the key, only null can follow
+    spec = grounded(schema, all_strings=True, source="no address here, 45 EUR")
+    m = llg.new_matcher(llg.compile(spec))
+    assert m.accept_tokens(tokenizer.encode('{"email":', add_special_tokens=False))
+    assert tokenizer.decode(m.forced_tokens()).startswith("null")
+
+
+def test_a_pattern_with_an_anchor_inside_is_refused():
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a^b", "x-grounded": True}}}
+    with pytest.raises(GrammarError, match="anchor"):
+        grounded_grammar(grounded(schema))
+
+
+def test_null_if_no_match_takes_a_matching_span_where_there_is_one(llg, tokenizer):
+    field = {"type": ["string", "null"], "pattern": EMAIL, "maxLength": 30, "x-null-if-no-match": True}
+    schema = {"type": "object", "properties": {"email": field}, "required": ["email"]}
+    spec = grounded(schema, all_strings=True, source='Ann "A" Lee, ann@x.io, and "b"@y.org')
+    compiled = llg.compile(spec)
+    assert llg.matches(compiled, '{"email":"ann@x.io"}')
+    assert not llg.matches(compiled, '{"email":null}')  # a span matches: null is gone
+    for seed in range(5):
+        text = walk(llg, tokenizer, compiled, seed)
+        assert text is not None and check(spec, text) == {"email": "ann@x.io"}
+    spec = grounded(schema, all_strings=True, source='only "b"@y.org, which a quote spoils')
+    assert llg.matches(llg.compile(spec), '{"email":null}')  # none does: null it is
+    # the span search: whole words, within maxLength, nothing JSON escapes
+    assert has_matching_span(("mail ann@x.io now",), "words", EMAIL, 0, 30)
+    assert not has_matching_span(("mail ann@x.io now",), "words", EMAIL, 0, 7)
+    assert not has_matching_span(('"a"@x.io',), "words", EMAIL, 0, 30)
+    assert not has_matching_span(("nn@x.io",), "words", "^ann@", 0, 30)
+    assert has_matching_span(("xann@x.io",), "chars", "^ann@", 0, 30)
+    for bad in (
+        {"type": "string", "pattern": "a", "maxLength": 9},  # not nullable
+        {"type": ["string", "null"], "maxLength": 9},  # no pattern
+        {"type": ["string", "null"], "pattern": "a"},  # no maxLength
+    ):
+        field = {**bad, "x-null-if-no-match": True, "x-grounded": True}
+        with pytest.raises(GrammarError, match="x-null-if-no-match"):
+            grounded_grammar(grounded({"type": "object", "properties": {"e": field}}))
+
+
+def test_the_demo_schema_without_grounding_compiles_and_xgrammar_refuses_it_grounded(manager):
+    from ..helpers import EXAMPLES
+
+    schema = json.loads((EXAMPLES / "extract.schema.json").read_text())
+    compiled = manager.compile(make_output_spec(schema=schema))  # "x-null-if-no-match" means nothing here
+    value = '{"person":null,"company":null,"reference":"A-1234","amount":"12.50 EUR","email":null,"due_date":null}'
+    assert manager.matches(compiled, value)
+    assert not manager.matches(compiled, value.replace("12.50 EUR", "twelve"))  # the pattern holds
+    with pytest.raises(GrammarError, match="xgrammar cannot compile grounded"):
+        manager.compile(grounded(schema, all_strings=True, source="A-1234, 12.50 EUR"), "xgrammar")

@@ -13,7 +13,12 @@ output_check.py checks it does): properties in schema order, required ones prese
 optional ones skippable; objects closed (``additionalProperties: false``, which our specs
 have unless the user opened them: an open object around a grounded field is refused);
 ``minItems``/``maxItems``; ``minLength``/``maxLength`` of a grounded field, by intersecting
-its lexeme with a count of JSON characters; the spec's separators (compact, or free
+its lexeme with a count of JSON characters, and its ``pattern``, by intersecting the lexeme
+with the pattern (read as a search, as JSON Schema reads it) and with "no character JSON
+escapes", so that the pattern sees the value itself, not its escapes (a grounded field with a
+pattern never quotes a span holding a quote, a backslash or a control character; a nullable
+one whose pattern no such span matches can only be null, and one marked
+``"x-null-if-no-match"`` whose pattern one does match cannot be null); the spec's separators (compact, or free
 whitespace). A schema shape around a grounded field that the rules do not express (``not``,
 ``if``, ``patternProperties``, ``prefixItems``, a ``$ref`` with siblings, ...) is refused
 with a GrammarError naming the keyword, never approximated.
@@ -25,26 +30,30 @@ its automaton is what compiling a long source costs (benchmarks/grounded.py).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ..errors import GrammarError
 from ..params import Grounding, OutputSpec
-from .grounding import GROUNDED_KEY, chunks, escaped, grounded_unit
+from .grounding import GROUNDED_KEY, NULL_IF_NO_MATCH_KEY, chunks, escaped, grounded_unit, has_matching_span
 from .lark_parts import json_embed, json_style, lark_literal
 from .schema_walk import resolve_local_ref
+from .xgrammar_rewrite import search_pattern
 
 __all__ = ["grounded_grammar"]
 
 # Keywords that say nothing about which JSON values a schema takes.
 _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$comment", "$schema", "$id", "$defs", "definitions", "deprecated"}
-    | {"readOnly", "writeOnly", GROUNDED_KEY}
+    | {"readOnly", "writeOnly", GROUNDED_KEY, NULL_IF_NO_MATCH_KEY}
 )
 _OBJECT_KEYS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties"}
 _ARRAY_KEYS = _ANNOTATIONS | {"type", "items", "minItems", "maxItems"}
-_STRING_KEYS = _ANNOTATIONS | {"type", "minLength", "maxLength"}
+_STRING_KEYS = _ANNOTATIONS | {"type", "minLength", "maxLength", "pattern"}
 # One character of a JSON string's body, as written: what minLength/maxLength count.
 _JSON_CHAR = r'/([^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})/'
+# A JSON string's body without escapes: there the pattern reads the value as it is.
+_UNESCAPED = r'/[^"\\\x00-\x1f]*/'
 _MAX_DEPTH = 64
 
 
@@ -59,7 +68,7 @@ def _strip_marks(node: Any) -> Any:
     """A copy without ``x-grounded`` (an embedded %json has no grounded field, and the mark
     means nothing to llguidance's converter)."""
     if isinstance(node, dict):
-        return {k: _strip_marks(v) for k, v in node.items() if k != GROUNDED_KEY}
+        return {k: _strip_marks(v) for k, v in node.items() if k not in (GROUNDED_KEY, NULL_IF_NO_MATCH_KEY)}
     if isinstance(node, list):
         return [_strip_marks(v) for v in node]
     return node
@@ -202,6 +211,15 @@ class _Builder:
             length = self.name("LEN")
             self.rules.append(f"{length}: {_JSON_CHAR}{{{int(lo or 0)},{'' if hi is None else int(hi)}}}")
             body = f"{body} & {length}"
+        pattern = node.get("pattern")
+        if pattern is not None:
+            whole = search_pattern(pattern) if isinstance(pattern, str) else None
+            if whole is None:
+                raise self.refuse(where, f"the pattern {pattern!r} (an anchor inside it)")
+            shape = self.name("PATTERN")
+            slashed = re.sub(r"(\\.)|/", lambda m: m.group(1) or "\\/", whole)  # "/" ends a Lark regex
+            self.rules.append(f"{shape}: /{slashed}/ & {_UNESCAPED}")
+            body = f"{body} & {shape}"
         inner = self.name("SPAN")
         self.rules.append(f"{inner}: {body}")
         value = self.name("GROUNDED")
@@ -209,10 +227,22 @@ class _Builder:
         others = [
             t for t in ([node["type"]] if isinstance(node.get("type"), str) else node.get("type", [])) if t != "string"
         ]
+        if node.get(NULL_IF_NO_MATCH_KEY) and self.matched(node, unit, where):
+            others = [t for t in others if t != "null"]  # a span matches: it must take one
         if not others:
             return value
         rest = self.embed({"type": others})
         return self.define("nullable" if others == ["null"] else "typed", f"{value} | {rest}")
+
+    def matched(self, node: dict, unit: str, where: str) -> bool:
+        """``"x-null-if-no-match"``: does a span of the sources match the field's pattern?"""
+        types = node.get("type")
+        pattern, hi = node.get("pattern"), node.get("maxLength")
+        if not isinstance(types, list) or "null" not in types or not isinstance(pattern, str) or hi is None:
+            raise self.refuse(
+                where, f'{NULL_IF_NO_MATCH_KEY} without "type": ["string", "null"], a pattern and a maxLength'
+            )
+        return has_matching_span(self.grounding.sources, unit, pattern, int(node.get("minLength", 0)), int(hi))
 
     def span(self, unit: str) -> str:
         """The substring lexeme of the sources in ``unit`` (one per unit, shared by every field)."""

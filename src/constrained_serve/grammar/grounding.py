@@ -2,10 +2,16 @@
 
 Which fields. A string subschema is grounded when it says ``"x-grounded": true`` (or
 ``"words"`` / ``"chars"``, its unit), or, under ``Grounding.all_strings``
-(``grounded=True``), when it is a plain string: ``"type": "string"`` without ``enum``,
-``const``, ``format`` or ``pattern``, which keep their own constraint. A nullable one
-(``"type": ["string", "null"]``, ``anyOf`` with ``null``, ``Optional[Grounded]``) may still be
-null. ``minLength``/``maxLength`` hold as well (grounded_lark.py intersects them).
+(``grounded=True``), when it is a string: ``"type": "string"`` without ``enum``, ``const``
+or ``format``, which keep their own constraint (and ``"x-grounded": false`` opts a field
+out). A nullable one (``"type": ["string", "null"]``, ``anyOf`` with ``null``,
+``Optional[Grounded]``) may still be null. ``minLength``/``maxLength`` and ``pattern`` hold as
+well: grounded_lark.py intersects them with the span, so a grounded field with a pattern
+takes only a span of the source that matches it, and a nullable one whose pattern no span
+matches can only be null. ``"x-null-if-no-match": true`` on such a field (typed ``["string",
+"null"]``, with a pattern and a maxLength) turns that around as well: it may be null only
+where no span matches, so where one does it takes one (has_matching_span decides, per
+source, before the grammar is written).
 
 The units. A source is cut into chunks: in words, each run of word characters (``\\w``:
 letters, digits, ``_``, in any script) is one chunk and every other character one of its
@@ -32,6 +38,8 @@ from .schema_walk import follow_local_refs
 
 __all__ = [
     "GROUNDED_KEY",
+    "NULL_IF_NO_MATCH_KEY",
+    "has_matching_span",
     "chunks",
     "escaped",
     "grounded_unit",
@@ -44,10 +52,13 @@ __all__ = [
 ]
 
 GROUNDED_KEY = "x-grounded"
+NULL_IF_NO_MATCH_KEY = "x-null-if-no-match"
+# Characters JSON escapes: a grounded field with a pattern never quotes a span holding one.
+_ESCAPED = re.compile(r'["\\\x00-\x1f]')
 _WORDS = re.compile(r"\w+|\W", re.UNICODE | re.DOTALL)
 # Keywords that constrain a string otherwise: such a field keeps them and is not grounded,
-# whatever it or grounded=True says.
-OWN_CONSTRAINT = ("enum", "const", "format", "pattern")
+# whatever it or grounded=True says. (A pattern is intersected with the span instead.)
+OWN_CONSTRAINT = ("enum", "const", "format")
 
 
 def chunks(text: str, unit: str) -> list[str]:
@@ -126,6 +137,26 @@ def grounded_values(
         items = node.get("items")
         for i, v in enumerate(value):
             yield from grounded_values(items, v, grounding, root, f"{path}[{i}]", depth + 1)
+
+
+def has_matching_span(sources: tuple[str, ...], unit: str, pattern: str, min_length: int, max_length: int) -> bool:
+    """Is some span of the sources (whole ``unit`` chunks, ``min_length`` to ``max_length``
+    characters, none that JSON escapes) matched by ``pattern`` (a JSON Schema pattern, read
+    as ECMA-262 does)? O(chunks x max_length). A match that cannot be decided in time counts
+    as none: the field then keeps its null."""
+    from .regex_check import ecma_search
+
+    for source in sources:
+        parts = chunks(source, unit)
+        for i in range(len(parts)):
+            text = ""
+            for part in parts[i:]:
+                text += part
+                if len(text) > max_length or _ESCAPED.search(part):
+                    break
+                if len(text) >= min_length and ecma_search(pattern, text) is True:
+                    return True
+    return False
 
 
 def find_span(source: str, value: str, unit: str) -> tuple[int, int] | None:
