@@ -15,8 +15,18 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 THREADS = os.environ.get("CS_TEST_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", THREADS)
 
+import signal  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# A run started in the background of a non-interactive shell (`cmd &`, as CI scripts and
+# nohup wrappers do) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+# handler: the Ctrl-C tests (tests/engine/test_interrupts.py, the CLI's, which send SIGINT to
+# this process or to children that would inherit the same) would test nothing. Ctrl-C as a
+# user's terminal delivers it is what they test, so restore Python's own handler.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 torch.set_num_threads(int(THREADS))
 

@@ -35,6 +35,11 @@ from ..helpers import EXAMPLES, subprocess_env  # noqa: E402
 
 REPLICA_CLASS = "MapWorker(MapBatches(ExtractReplica))"
 SCHEMA = str(EXAMPLES / "extract.schema.json")
+SHORT_SCHEMA = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["support_ticket", "review", "invoice"]}, "urgent": {"type": "boolean"}},
+    "required": ["kind", "urgent"],
+}
 
 
 def _alive(pid: int) -> bool:
@@ -335,7 +340,10 @@ def test_default_model_on_ray_equals_local(cluster, default_model_dir, tmp_path)
     tickets = [json.loads(line) for line in open(EXAMPLES / "tickets.jsonl")][:4]
     src = write_input(tmp_path / "in.jsonl", [json.dumps(t) for t in tickets] + ["{oops"])
     local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-    args = ["--schema", SCHEMA, "--max-tokens", "96", "--threads", "1", "-q"]
+    # A short closed schema: the default model completes it well within max_tokens.
+    short = tmp_path / "short.schema.json"
+    short.write_text(json.dumps(SHORT_SCHEMA))
+    args = ["--schema", str(short), "--max-tokens", "96", "--threads", "1", "-q"]
     assert main(["extract", str(src), "-o", str(local)] + args) == 0
     # One replica: the real model on Ray equals it locally; two replicas' rows are checked
     # with the tiny model above (each replica loading the real model costs a minute here).

@@ -13,7 +13,10 @@ import signal
 # that died of it instead made the engine restart it, or report "grammar worker died
 # (Connection reset by peer)", while the user only asked to stop. Set before the imports
 # below, so the window in which a press still kills the worker is the interpreter's start.
-signal.signal(signal.SIGINT, signal.SIG_IGN)
+# Only as the worker's own process (``python -m``): a process that imports this module (the
+# engine's, a test's) keeps its Ctrl-C.
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 import logging  # noqa: E402
 import mmap  # noqa: E402
