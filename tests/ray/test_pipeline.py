@@ -138,12 +138,16 @@ def common_args(model: Path, max_tokens: int = 12) -> list[str]:
 def test_auto_address_without_a_cluster_is_a_setup_error(tmp_path) -> None:
     """``--ray-address auto`` finds no cluster: exit 2 naming --ray-address (Ray's message
     names an --address flag we do not have), no output file. Run before the module's
-    cluster starts, in a subprocess with its own Ray temp dir; skipped when another
-    cluster runs on this machine (Ray's "auto" would find and join it)."""
+    cluster starts, in a subprocess with its own Ray temp dir. Another cluster running on
+    this machine fails it with what to stop (Ray's "auto" would find and join it): a skip
+    would pass without testing anything."""
     from ray._private.services import find_gcs_addresses
 
     if ray.is_initialized() or find_gcs_addresses():
-        pytest.skip("a Ray cluster is running on this machine: 'auto' would join it")
+        pytest.fail(
+            "a Ray cluster is running on this machine ('ray status' shows it; stop it with 'ray stop'): "
+            "'--ray-address auto' would join it, so this test cannot check the no-cluster error"
+        )
     src = write_input(tmp_path / "in.jsonl", input_lines(2))
     out = tmp_path / "out.jsonl"
     env = {**subprocess_env(), "RAY_TMPDIR": str(tmp_path / "ray")}
