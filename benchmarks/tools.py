@@ -37,11 +37,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.tools.tool_set: the tools and their few-shot turns
 from common import engine_parser, machine, median, save, timed  # noqa: E402
+from driver_process import DEFAULT_VLLM_PYTHON  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from tests.tools.tool_set import FEW_SHOT, SCHEMAS, TOOLS  # noqa: E402
-
-DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
 
 TOOL_ASKS = [
     "What is the weather in Paris?",
@@ -134,7 +133,7 @@ def main() -> None:
     run_ours(engine, convs[:4], args.max_tokens)  # warm up: workers, the compile cache
     vllm = None
     if os.path.exists(args.vllm_python):
-        from vs_vllm_cpu import VLLM
+        from driver_process import VLLM
 
         from constrained_serve.tools import ToolPlan
 

@@ -114,7 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from common import machine, median, per_round, save
-    from vs_vllm_cpu import settle
+    from driver_process import settle
 
     workloads = args.workloads.split(",")
     trees = [Tree("before", args.before.resolve(), args.threads, args.dtype)]

@@ -3,7 +3,7 @@ of this project), keeps one `vllm.LLM` alive and answers commands, one JSON line
 
 stdin, one JSON object a line:
     {"cmd": "load", "prompts": [[token ids], ...], "schema": {...} | null, "max_tokens": 96,
-     "temperature": 0.0, "seeds": [per prompt] | null}   (temperature and seeds optional)
+     "temperature": 0.0, "seeds": [per prompt] | null, "ignore_eos": false}   (the last three optional)
     {"cmd": "run", "reset_cache": false}   -> {"wall_s", "output_tokens", "texts", ...}
     {"cmd": "profile"}                     -> one round under vLLM's torch profiler (--profile-dir)
     {"cmd": "quit"}
@@ -106,6 +106,7 @@ def main() -> None:
                     max_tokens=cmd["max_tokens"],
                     structured_outputs=so,
                     seed=None if seeds is None else seeds[i],
+                    ignore_eos=bool(cmd.get("ignore_eos")),
                 )
                 for i in range(len(prompts))
             ]

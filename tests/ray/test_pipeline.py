@@ -31,15 +31,9 @@ except ImportError:  # make setup installs it; a missing Ray is a failure, not a
 
 from constrained_serve.cli import main  # noqa: E402
 
-from ..helpers import EXAMPLES, subprocess_env  # noqa: E402
+from ..helpers import EXAMPLES, SHORT_SCHEMA, subprocess_env  # noqa: E402
 
 REPLICA_CLASS = "MapWorker(MapBatches(ExtractReplica))"
-SCHEMA = str(EXAMPLES / "extract.schema.json")
-SHORT_SCHEMA = {
-    "type": "object",
-    "properties": {"kind": {"enum": ["support_ticket", "review", "invoice"]}, "urgent": {"type": "boolean"}},
-    "required": ["kind", "urgent"],
-}
 
 
 def _alive(pid: int) -> bool:
@@ -238,13 +232,26 @@ def test_python_entry_point_and_dataset_out(cluster, tiny_llama_dir, tmp_path) -
     assert "replica " in stats.summary() and "valid rate" in stats.summary()
     written = rows(tmp_path / "out.jsonl")
 
-    ds = extract(src, params=params, **kw)  # no output: a lazy Dataset of rows
-    assert without_cache_counts([json.loads(r["row"]) for r in ds.take_all()]) == without_cache_counts(written)
-
-    # A Dataset in: rows keyed by their own id.
-    records = ray.data.from_items([{"id": f"d{i}", "text": f"note {i}"} for i in range(4)] + [{"text": "no id"}])
-    out = [json.loads(r["row"]) for r in extract(records, params=params, **kw).take_all()]
-    assert sorted(r["id"] for r in out if r["id"] is not None) == ["d0", "d1", "d2", "d3"]
+    # A Dataset in and no output, so a lazy Dataset of rows out (one run for both: each run
+    # starts its actors afresh). Rows are keyed by their own id; a record with the text of a
+    # file line gets that line's row.
+    by_id, first = {r["id"]: r for r in written if "line" not in r}, {}
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("id") in by_id and "text" in rec:
+            first.setdefault(rec["id"], rec)
+    records = list(first.values())
+    assert len(records) >= 4
+    ds = ray.data.from_items(records + [{"id": "extra", "text": "note 1"}, {"text": "no id"}])
+    out = [json.loads(r["row"]) for r in extract(ds, params=params, **kw).take_all()]
+    got = {r["id"]: r for r in out if r["id"] is not None}
+    assert sorted(got) == sorted([rec["id"] for rec in records] + ["extra"])
+    assert without_cache_counts([got[rec["id"]] for rec in records]) == without_cache_counts(
+        [by_id[rec["id"]] for rec in records]
+    )
     assert [r["error"]["type"] for r in out if r["id"] is None] == ["invalid_id"]
 
 
