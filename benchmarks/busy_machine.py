@@ -21,7 +21,7 @@ Targets (#40): pair >= 0.9x the quiet figure; spin1 and spin2 >= the fair share 
 figure (the cores left per competing process, C / (k + 1) of C: 1/2 and 1/3 on 2 cores); in
 every scenario ours >= vLLM.
 
-    python benchmarks/busy_machine.py [--repeats 3] [--scenarios quiet,spin1,spin2,pair]
+    python benchmarks/busy_machine.py [--repeats 3] [--scenarios quiet,pair,spin1,spin2]
                                       [--systems ours,vllm] [--dtype float32|bfloat16]
                                       [--ours-env KEY=VALUE ...] [--vllm-python PATH]
 """
@@ -75,7 +75,7 @@ def one_round(drivers: list[Driver]) -> dict:
 
 def main() -> None:
     ap = engine_parser(__doc__, repeats=3, n=64, max_tokens=48, dtype=True)
-    ap.add_argument("--scenarios", default="quiet,spin1,spin2,pair")
+    ap.add_argument("--scenarios", default="quiet,pair,spin1,spin2")
     ap.add_argument("--systems", default="ours,vllm")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--ours-env", nargs="*", default=[], metavar="KEY=VALUE", help="environment of our drivers")

@@ -10,11 +10,12 @@ this by pinning its threads; a library inside someone else's process cannot.
 
 So the engine measures instead: every forward's seconds per token, kept per step size (a
 power-of-two bucket of the step's token count, since a decode step of 8 rows and a prefill
-chunk of 512 tokens cost very differently per token). Now and then, and at once when steps
-of a size become much slower than usual, it runs a few steps with half the threads (or
-twice, back up to the configured count) and keeps whichever count was faster on the same
-step sizes. A probe that starts out much slower ends after one step, and a probe that lost
-is tried again after twice as long, so on a steady machine the probes cost well under 1%.
+chunk of 512 tokens cost very differently per token). Now and then, and within a few steps
+when steps of a size become much slower than usual, it runs a few steps with half the
+threads (or twice, back up to the configured count) and keeps whichever count was faster
+than the steps just before the probe on the same step sizes. A probe that starts out much
+slower ends after one step, and a probe that lost is tried again after twice as long, so on
+a steady machine the probes cost well under 1%.
 After a switch down, the way back up is probed soon (after ``recover_after`` steps, then
 twice as long after each loss): contention is often brief (a neighbour's start-up, a test
 run), and a tuner that waited its routine 1024 steps kept a 2-core engine on one thread,
@@ -49,10 +50,15 @@ class ThreadTuner:
     threads: int = 0  # current count (0: max_threads)
     # seconds per token, an exponential average per (threads, size bucket)
     usual: dict[tuple[int, int], float] = field(default_factory=dict)
+    # the last few seconds per token per (threads, size bucket): what a probe is measured
+    # against, the machine as it is now rather than the long average (see _baseline)
+    recent: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     switches: int = 0  # counts kept after a probe (for tests and stats)
     _since_probe: int = 0
     _interval: dict[int, int] = field(default_factory=dict)  # per probed count
     _probe: int = 0  # thread count being probed (0: none)
+    _pending: int = 0  # thread count to probe once _pending_steps reach probe_steps (0: none)
+    _pending_steps: int = 0
     _probe_seen: list[tuple[int, float]] = field(default_factory=list)
     _warm: bool = False
 
@@ -74,12 +80,21 @@ class ThreadTuner:
         usual = self.usual.get((self.threads, b))
         self._learn(self.threads, b, per_token)
         self._since_probe += 1
+        if self._pending:  # a slowdown seen: probe once a few steps show the machine as it is now
+            self._pending_steps += 1
+            if self._pending_steps >= self.probe_steps:
+                self._start_probe(self._pending)
+            return
         contended = usual is not None and per_token > self.slowdown * usual and self._since_probe >= 8
         for cand in self._candidates():
             # A slowdown calls for fewer threads, never more: probing up then costs most.
-            if (contended and cand < self.threads) or self._since_probe >= self._interval.setdefault(
-                cand, self.first_probe
-            ):
+            if contended and cand < self.threads:
+                # The probe is measured against the steps after the slowdown, not before it.
+                for key in [k for k in self.recent if k[0] == self.threads]:
+                    del self.recent[key]
+                self._pending, self._pending_steps = cand, 0
+                return
+            if self._since_probe >= self._interval.setdefault(cand, self.first_probe):
                 self._start_probe(cand)
                 return
 
@@ -90,9 +105,24 @@ class ThreadTuner:
     def _learn(self, threads: int, b: int, per_token: float) -> None:
         old = self.usual.get((threads, b))
         self.usual[(threads, b)] = per_token if old is None else 0.8 * old + 0.2 * per_token
+        last = self.recent.setdefault((threads, b), [])
+        last.append(per_token)
+        del last[: -self.probe_steps]
+
+    def _baseline(self, threads: int, b: int) -> float | None:
+        """What a probe must beat: the median of the last few steps of this size at the
+        current count (after a slowdown, only steps since it). The long average lags a change
+        of load: with one busy-looping process beside a 2-core engine, 2 threads became 3x
+        slower per token and 1 thread 1.7x, but a probe at the first slow step met an average
+        only 1.4x up, lost, and was not tried again for 1024 steps: the engine kept a third of
+        its speed (benchmarks/busy_machine.py, 2026-12-07)."""
+        last = self.recent.get((threads, b))
+        if not last:
+            return self.usual.get((threads, b))
+        return sorted(last)[len(last) // 2]
 
     def _start_probe(self, cand: int) -> None:
-        self._probe, self._probe_seen, self._warm = cand, [], False
+        self._probe, self._probe_seen, self._warm, self._pending = cand, [], False, 0
         self._since_probe = 0
         self.set_threads(cand)
 
@@ -101,11 +131,12 @@ class ThreadTuner:
             self._warm = True
             return
         self._probe_seen.append((b, per_token))
-        base = self.usual.get((self.threads, b))
+        base = self._baseline(self.threads, b)
         clearly_worse = base is not None and per_token > 1.4 * base  # no need to see more
         if len(self._probe_seen) < self.probe_steps and not clearly_worse:
             return
-        ratios = [self.usual[(self.threads, bb)] / t for bb, t in self._probe_seen if (self.threads, bb) in self.usual]
+        bases = [(self._baseline(self.threads, bb), t) for bb, t in self._probe_seen]
+        ratios = [base / t for base, t in bases if base is not None]
         speedup = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else 0.0
         cand, self._probe = self._probe, 0
         for bb, t in self._probe_seen:
