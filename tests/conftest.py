@@ -14,6 +14,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests that need more threads set them themselves (tests/kernel/conftest.py, the tuner's).
 THREADS = os.environ.get("CS_TEST_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", THREADS)
+# On a CPU with bf16 units (AMX, AVX512-BF16) Engine() with no dtype checks bf16 against fp32
+# on each new model (runtime/cpu_dtype.py) and may run bf16: every tiny model of a session is
+# a new folder, and the tests that compare with transformers expect fp32. So the suite runs
+# fp32 on every CPU; tests/runtime/test_cpu_dtype.py turns the pick on where it tests it.
+os.environ.setdefault("CONSTRAINED_SERVE_AUTO_BF16", "0")
 
 import signal  # noqa: E402
 

@@ -35,6 +35,7 @@ from .models.llama import sliding_window_of
 from .output import results as outputs
 from .params import OutputSpec, SamplingParams
 from .result import Result
+from .runtime import cpu_dtype
 from .runtime.runner import ModelRunner
 from .runtime.thread_tuner import ThreadTuner
 from .streaming import PartialStream, stream_partial, stream_text
@@ -70,10 +71,12 @@ class Engine:
             **kwargs,
         )
         self.device = dev = cfg.torch_device()
-        self.dtype = cfg.torch_dtype(dev)
         if dev.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads())
         src = loader.resolve_model(cfg.model)
+        # The model's dtype, and why: as asked, the device's default, or on CPU the verdict of
+        # a check of bf16 against fp32 on this model (runtime/cpu_dtype.py).
+        self.dtype, self.dtype_reason = self._choose_dtype(src)
         self.hf_config, self.tokenizer = loader.load_config_and_tokenizer(src)
         model_len = self.hf_config.max_position_embeddings
         if cfg.max_model_len is not None:
@@ -126,6 +129,46 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ set-up helpers
+    def _choose_dtype(self, src: loader.ModelSource) -> tuple[torch.dtype, str]:
+        cfg, dev = self.config, self.device
+        if cfg.dtype is not None:
+            return cfg.torch_dtype(dev), f"dtype={cfg.dtype!r} as asked"
+        if dev.type != "cpu":
+            return cfg.torch_dtype(dev), f"the {dev.type} default"
+        model = src.folder or src.gguf
+        choice = cpu_dtype.choose(
+            model,
+            cfg.load_format,
+            cfg.cpu_threads(),
+            lambda dtype: self._check_decoder(model, dtype),
+            enabled=cfg.auto_bf16,
+        )
+        return choice.dtype, choice.reason
+
+    def _check_decoder(self, model: os.PathLike | None, dtype: torch.dtype) -> cpu_dtype.GreedyDecoder:
+        """Greedy outputs of a small engine on this model in ``dtype``, for the bf16 check: the
+        dtype explicit (no check of its own), the pool small, no prefix cache (every timed row
+        computes its prompt), the thread count fixed (a tuner probe would skew the timing)."""
+        cfg = self.config
+        check = Engine(
+            model=model,
+            device="cpu",
+            dtype=dtype,
+            max_num_seqs=cpu_dtype.TIMED_ROWS,
+            kv_cache_tokens=cpu_dtype.CHECK_KV_TOKENS,
+            enable_prefix_cache=False,
+            num_threads=cfg.cpu_threads(),
+            adaptive_threads=False,
+            load_format=cfg.load_format,
+        )
+
+        def decode(prompts: Sequence[str], max_tokens: int, logprobs: int | None) -> list[cpu_dtype.Greedy]:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+            results = check.generate(list(prompts), params, raise_on_error=True)
+            return [cpu_dtype.Greedy(r.token_ids, [dict(t or {}) for t in r.logprobs or []]) for r in results]
+
+        return decode
+
     def _num_pages(self, model_len: int) -> int:
         cfg = self.config
         per_token = ModelRunner.kv_bytes_per_token(self.model, self.dtype)

@@ -22,7 +22,11 @@ _DTYPES = {
 class EngineConfig:
     model: str | os.PathLike | None = None  # None: the default SmolLM2-135M-Instruct
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str | torch.dtype | None = None  # None: fp32 on CPU, bf16 on CUDA
+    dtype: str | torch.dtype | None = None  # None: bf16 on CUDA; on CPU fp32, or bf16 (auto_bf16)
+    # On a CPU with bf16 matrix units (AMX, AVX512-BF16) and dtype None, pick bf16 where a
+    # short check on the model finds it faster with outputs agreeing with fp32's, once per
+    # model and CPU (runtime/cpu_dtype.py); False (or CONSTRAINED_SERVE_AUTO_BF16=0): fp32.
+    auto_bf16: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: 512 on CPU, 8192 on CUDA
     kv_cache_tokens: int | None = None  # None: from kv_cache_memory_fraction (CUDA) or 32768 (CPU)
@@ -115,6 +119,8 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype asked for, else the device's default (bf16 on CUDA, fp32 on CPU: the
+        engine may pick bf16 over that on CPU, see ``auto_bf16``)."""
         if self.dtype is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return self.dtype if isinstance(self.dtype, torch.dtype) else _DTYPES[self.dtype]
