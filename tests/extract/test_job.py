@@ -11,19 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from constrained_serve.extract.job import (
+from constrained_serve.extract.inputs import (
     INVALID_ID,
     INVALID_JSON,
     INVALID_UTF8,
     MISSING_FIELD,
     NOT_OBJECT,
-    TRUNCATED,
-    JobStats,
     PromptBuilder,
     read_items,
-    result_row,
-    run_extract,
 )
+from constrained_serve.extract.job import TRUNCATED, JobStats, result_row, run_extract
 from constrained_serve.extract.output import open_sinks, row_key
 
 
@@ -123,7 +120,7 @@ def write_file(path: str, data: bytes) -> None:
 
 
 def test_count_rows_leaves_a_pipe_alone(tmp_path) -> None:
-    from constrained_serve.extract.job import count_rows
+    from constrained_serve.extract.inputs import count_rows
 
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)

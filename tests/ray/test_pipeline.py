@@ -368,7 +368,7 @@ def test_a_row_that_keeps_failing_becomes_an_error_row_and_the_batch_goes_on(tin
     """In a replica, a batch whose run raises is rerun row by row; the row that fails alone
     gets an error row, the others their outputs (the same replica code Ray runs)."""
     from constrained_serve import SamplingParams
-    from constrained_serve.extract.job import InputItem
+    from constrained_serve.extract.inputs import InputItem
     from constrained_serve.ray.replica import KEY, OK, ROW, ExtractReplica, ReplicaConfig, item_record
 
     config = ReplicaConfig({"model": str(tiny_llama_dir), "max_num_seqs": 4}, SamplingParams(max_tokens=4), {}, False)

@@ -37,7 +37,7 @@ def _open_input(path: str) -> Any:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    from ..extract.job import PromptBuilder
+    from ..extract.inputs import PromptBuilder
     from ..extract.output import OutputFileError, open_sinks
 
     if args.max_in_flight < 1:
@@ -97,7 +97,7 @@ class _Job:
         self._closed = False
 
     def items(self, source: Any) -> Any:
-        from ..extract.job import read_items
+        from ..extract.inputs import read_items
 
         def on_skip(_item: Any) -> None:
             self.stats.skipped += 1
@@ -109,7 +109,7 @@ class _Job:
             self.progress.row(row)
 
     def start_progress(self, activity: Any = None) -> None:
-        from ..extract.job import count_rows
+        from ..extract.inputs import count_rows
 
         if not self.show_progress:
             return

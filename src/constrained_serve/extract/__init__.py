@@ -1,8 +1,10 @@
-"""The resumable JSONL extraction job behind ``constrained-serve extract``: ``job.py`` reads
-the input and runs the engine over it, ``output.py`` appends rows and finds what a resumed
-run has already written."""
+"""The resumable JSONL extraction job behind ``constrained-serve extract``: ``inputs.py``
+reads the input into prompts (or error rows), ``job.py`` runs the engine over them and turns
+results into rows, ``output.py`` appends rows and finds what a resumed run has already
+written."""
 
-from .job import InputItem, JobStats, PromptBuilder, count_rows, read_items, result_row, run_extract
+from .inputs import InputItem, PromptBuilder, count_rows, read_items
+from .job import JobStats, result_row, run_extract
 from .output import OutputFileError, open_sinks, row_key, written_row_key
 
 __all__ = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..extract.job import PromptBuilder, parse_record, read_items
+from ..extract.inputs import PromptBuilder, parse_record, read_items
 from ..extract.output import open_sinks
 from .availability import require_ray
 from .pipeline import RayOptions, items_dataset, map_rows, plan_pool, run_job

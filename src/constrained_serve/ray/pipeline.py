@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..extract.job import InputItem
+from ..extract.inputs import InputItem
 from .replica import FINISHED, KEY, REPLICA, ROW, STARTED, ExtractReplica, ReplicaConfig, item_record
 from .session import ray_session
 from .stats import RayJobStats

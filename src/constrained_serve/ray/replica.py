@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..extract.job import InputItem, error_type_name, run_extract
+from ..extract.inputs import InputItem
+from ..extract.job import error_type_name, run_extract
 
 logger = logging.getLogger(__name__)
 
