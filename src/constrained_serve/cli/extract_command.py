@@ -186,6 +186,7 @@ class _Job:
 
     def _on_ray(self, source: Any, options: Any) -> None:
         from ..ray.pipeline import run_job
+        from ..ray.progress_board import BoardActivity
         from ..ray.replica import ReplicaConfig
         from ..ray.session import RaySetupError, check_address
         from ..ray.stats import RayJobStats
@@ -207,9 +208,12 @@ class _Job:
 
         config = ReplicaConfig(engine_kwargs(args), self.params, spec.kwargs, spec.json_output)
         self.stats = RayJobStats(skipped=self.stats.skipped)
-        self.start_progress()
+        # The replicas' rows in flight and tokens, from a board the job creates only for a
+        # progress line (a terminal, not --quiet): the line moves while batches decode.
+        activity = BoardActivity() if self.show_progress else None
+        self.start_progress(activity)
         try:
-            run_job(self.items(source), write, config, options, stats=self.stats, on_row=self.on_row)
+            run_job(self.items(source), write, config, options, stats=self.stats, on_row=self.on_row, activity=activity)
             compiling.result()  # also when no row was left to run
         except (RaySetupError, SetupError) as e:  # RaySetupError: found, answering, yet refused (auth)
             if self.stats.rows:

@@ -11,11 +11,13 @@ The bar counts a row in flight as done in proportion to its tokens over the toke
 takes (the mean of the rows written so far; before the first, ``--max-tokens``, so the bar
 and the ETA err long, and the ETA reads "<=": an upper bound at the current rate).
 
-A daemon thread refreshes the line twice a second from ``activity()`` (the engine's
-``Driver.activity``: rows in flight, their tokens); ``row()`` is called as rows are written.
-Without ``activity`` (a Ray job: the replicas are elsewhere) the line is rows and rows/s,
-without an ETA: rows come back a batch at a time, so a rate from rows swings from hours to
-seconds within a batch.
+A daemon thread refreshes the line twice a second from ``activity()`` (rows in flight,
+their tokens); ``row()`` is called as rows are written. Locally ``activity`` is the engine's
+``Driver.activity``; for a Ray job it is ``ray.progress_board.BoardActivity``, the sum of
+what the replicas report while their batches decode (a batch's rows come back together at
+its end, so rows alone would sit still meanwhile). Without ``activity`` the line is rows
+and rows/s, without an ETA: a rate from rows that come back a batch at a time swings from
+hours to seconds within a batch.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ Data flow::
       --> map_batches(ExtractReplica, ActorPoolStrategy(size=replicas))   [one Engine per actor]
       --> iter_batches on the driver --> JsonlSink (output.py: one flushed line per row)
 
+    replicas --rows in flight, their tokens--> ProgressBoard actor --> the driver's progress
+        line (progress_board.py; only when the CLI shows one)
+
 Why the driver reads the input: line numbers, "this id was already used by line 3" and
 "this key is already in the output" are facts about the whole file in order, which Ray
 Data's parallel readers do not keep. Parsing is microseconds per line next to the model,
@@ -35,10 +38,11 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..extract.inputs import InputItem
+from .progress_board import BoardActivity, job_board
 from .replica import FINISHED, KEY, REPLICA, ROW, STARTED, ExtractReplica, ReplicaConfig, item_record
 from .session import ray_session
 from .stats import RayJobStats
@@ -189,10 +193,13 @@ def run_job(
     *,
     stats: RayJobStats | None = None,
     on_row: Callable[[dict[str, Any], RayJobStats], None] | None = None,
+    activity: BoardActivity | None = None,
 ) -> RayJobStats:
     """Run ``items`` (from ``job.read_items``) on a Ray actor pool; ``write`` each row once.
 
     ``write`` is called on this (the driver's) thread, one row per item, as rows come back.
+    ``activity`` (a progress line's, see progress_board.py): a ProgressBoard is created for
+    the run, the replicas report to it, ``activity`` reads it; killed when the run ends.
     """
     stats = stats or RayJobStats()
     waiting: dict[str, InputItem] = {}
@@ -218,16 +225,19 @@ def run_job(
             f"{plan.num_gpus:g} GPU" if plan.num_gpus else f"{plan.num_cpus:g} CPU",
             plan.batch_size,
         )
-        rows = map_rows(ray, items_dataset(ray, records, plan.batch_size), config, plan, options)
-        del records  # the object store holds them now
-        for batch in rows.iter_batches(batch_size=None, batch_format="numpy"):
-            for key, text, replica, started, finished in zip(
-                batch[KEY], batch[ROW], batch[REPLICA], batch[STARTED], batch[FINISHED]
-            ):
-                if waiting.pop(key, None) is None:  # a retried batch delivered twice
-                    logger.debug("dropping a second row for %s", key)
-                    continue
-                emit(json.loads(text), str(replica), float(started), float(finished))
+        with job_board(ray, activity) as board:  # None without a progress line
+            if board is not None:
+                config = replace(config, progress_board=board)
+            rows = map_rows(ray, items_dataset(ray, records, plan.batch_size), config, plan, options)
+            del records  # the object store holds them now
+            for batch in rows.iter_batches(batch_size=None, batch_format="numpy"):
+                for key, text, replica, started, finished in zip(
+                    batch[KEY], batch[ROW], batch[REPLICA], batch[STARTED], batch[FINISHED]
+                ):
+                    if waiting.pop(key, None) is None:  # a retried batch delivered twice
+                        logger.debug("dropping a second row for %s", key)
+                        continue
+                    emit(json.loads(text), str(replica), float(started), float(finished))
     if waiting and stats.rows == 0:  # nothing came back at all: a broken set-up, not bad rows
         raise RuntimeError(f"no replica returned any row ({len(waiting)} rows sent); rerun with -v for details")
     for item in waiting.values():  # written last, whatever the order

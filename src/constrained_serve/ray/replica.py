@@ -23,6 +23,7 @@ from typing import Any
 
 from ..extract.inputs import InputItem
 from ..extract.job import error_type_name, run_extract
+from .progress_board import REPORT_EVERY_S, ActivityReporter
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class ReplicaConfig:
     # the engine reads the thread count from the config instead, so say it here).
     num_threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # The job's ProgressBoard actor (progress_board.py), when the driver shows a progress
+    # line: the replica reports its rows in flight and their tokens there while a batch runs.
+    progress_board: Any = None
+    progress_every_s: float = REPORT_EVERY_S
 
 
 class ExtractReplica:
@@ -86,6 +91,10 @@ class ExtractReplica:
         if config.num_threads is not None and "num_threads" not in kwargs:
             kwargs["num_threads"] = config.num_threads
         self.name = _replica_name()
+        # Rows of the running batch finished but not returned yet, and their tokens (for
+        # the progress board: rows in flight are the batch's rows not yet returned).
+        self._batch_rows = 0
+        self._batch_tokens = 0
         # Every engine call runs on one thread, the one that loaded the model: Ray Data calls
         # the UDF from a thread pool, and the forward ran 1.5x slower on CPU there than on the
         # loading thread (oneDNN's per-thread state: 20.6 s against 13.5 s for 72 rows, the
@@ -100,7 +109,7 @@ class ExtractReplica:
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list[Any]]:
         started = time.time()
         items = [record_item(text) for text in batch["item"]]
-        rows = self._engine_thread.submit(self._run, items).result()
+        rows = self._engine_thread.submit(self._run_reporting, items).result()
         finished = time.time()
         return {
             KEY: [item.key for item in items],
@@ -111,14 +120,31 @@ class ExtractReplica:
             FINISHED: [finished] * len(rows),
         }
 
+    def _run_reporting(self, items: list[InputItem]) -> list[dict[str, Any]]:
+        """``_run``, reporting to the job's progress board meanwhile (when there is one)."""
+        board = self.config.progress_board
+        if board is None:
+            return self._run(items)
+        with ActivityReporter(board, self.name, self.activity, self.config.progress_every_s):
+            return self._run(items)
+
+    def activity(self) -> tuple[int, int]:
+        """(rows of the running batch not returned yet, their tokens so far): the engine's
+        unfinished requests and the rows it finished, held until the batch ends. From any
+        thread (Driver.activity reads without the lock; the counts are plain ints)."""
+        in_flight, tokens = self.engine.driver.activity()
+        return in_flight + self._batch_rows, tokens + self._batch_tokens
+
     def _run(self, items: list[InputItem]) -> list[dict[str, Any]]:
         """Rows for ``items``, in their order. An exception from the engine (not a per-row
         error Result, which run_extract already turns into an error row) fails the batch:
         the rows are then run one at a time, and a row that fails alone gets an error row,
         so one bad row never costs the batch or the job."""
+        self._batch_rows = self._batch_tokens = 0
         try:
             return self._extract(items)
         except Exception as e:  # noqa: BLE001 - retried row by row below
+            self._batch_rows = self._batch_tokens = 0  # its rows are recomputed below
             logger.warning(
                 "replica %s: a batch of %d rows failed (%s: %s); running its rows one at a time",
                 self.name,
@@ -139,10 +165,16 @@ class ExtractReplica:
     def _extract(self, items: list[InputItem]) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         cfg = self.config
+
+        def keep(row: dict[str, Any]) -> None:
+            rows.append(row)
+            self._batch_tokens += (row.get("usage") or {}).get("completion_tokens", 0)
+            self._batch_rows += 1
+
         run_extract(
             self.engine,
             items,
-            rows.append,
+            keep,
             cfg.params,
             cfg.spec,
             json_output=cfg.json_output,
