@@ -237,6 +237,8 @@ def run_job(
                     if waiting.pop(key, None) is None:  # a retried batch delivered twice
                         logger.debug("dropping a second row for %s", key)
                         continue
+                    if activity is not None:  # its batch's rows are no longer in flight
+                        activity.delivered(str(replica), float(started))
                     emit(json.loads(text), str(replica), float(started), float(finished))
     if waiting and stats.rows == 0:  # nothing came back at all: a broken set-up, not bad rows
         raise RuntimeError(f"no replica returned any row ({len(waiting)} rows sent); rerun with -v for details")

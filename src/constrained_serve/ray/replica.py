@@ -109,7 +109,7 @@ class ExtractReplica:
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list[Any]]:
         started = time.time()
         items = [record_item(text) for text in batch["item"]]
-        rows = self._engine_thread.submit(self._run_reporting, items).result()
+        rows = self._engine_thread.submit(self._run_reporting, items, started).result()
         finished = time.time()
         return {
             KEY: [item.key for item in items],
@@ -120,12 +120,13 @@ class ExtractReplica:
             FINISHED: [finished] * len(rows),
         }
 
-    def _run_reporting(self, items: list[InputItem]) -> list[dict[str, Any]]:
-        """``_run``, reporting to the job's progress board meanwhile (when there is one)."""
+    def _run_reporting(self, items: list[InputItem], started: float) -> list[dict[str, Any]]:
+        """``_run``, reporting to the job's progress board meanwhile (when there is one), on
+        the batch named by its start time (the rows' STARTED column)."""
         board = self.config.progress_board
         if board is None:
             return self._run(items)
-        with ActivityReporter(board, self.name, self.activity, self.config.progress_every_s):
+        with ActivityReporter(board, self.name, started, self.activity, self.config.progress_every_s):
             return self._run(items)
 
     def activity(self) -> tuple[int, int]:
