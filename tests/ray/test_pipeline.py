@@ -255,6 +255,61 @@ def test_python_entry_point_and_dataset_out(cluster, tiny_llama_dir, tmp_path) -
     assert [r["error"]["type"] for r in out if r["id"] is None] == ["invalid_id"]
 
 
+def test_progress_board_shows_rows_and_tokens_while_a_batch_decodes(cluster, tiny_llama_dir) -> None:
+    """The job as the CLI runs it with a progress line (run_job with an activity()): while
+    the one batch decodes, before any of its rows is written, activity() reads the replica's
+    rows in flight and a growing token count from the job's board; once the job ends it
+    reads (0, 0) and no board actor is left. A real replica, engine, board and cluster."""
+    from constrained_serve import SamplingParams
+    from constrained_serve.extract.inputs import InputItem
+    from constrained_serve.ray.pipeline import RayOptions, run_job
+    from constrained_serve.ray.progress_board import BoardActivity
+    from constrained_serve.ray.replica import ReplicaConfig
+
+    # 4 rows of 200 tokens: 2 s of decoding on 2 cores, 20 of the replica's 0.1 s reports.
+    n, max_tokens = 4, 200
+    items = [InputItem(i + 1, f"p{i}", messages=[{"role": "user", "content": f"row {i}"}]) for i in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)  # every row decodes max_tokens
+    config = ReplicaConfig({"model": str(tiny_llama_dir), "num_threads": 1}, params, {}, False, progress_every_s=0.1)
+    activity = BoardActivity(min_interval_s=0.0)
+    seen: list[tuple[int, int]] = []  # activity() every 50 ms
+    written: list[dict] = []
+    first_row_at: list[int] = []  # len(seen) when the first row was written
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            seen.append(activity())
+            time.sleep(0.05)
+
+    def write(row: dict) -> None:
+        if not written:
+            first_row_at.append(len(seen))
+        written.append(row)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        stats = run_job(items, write, config, RayOptions(replicas=1, batch_size=n), activity=activity)
+    finally:
+        stop.set()
+        sampler.join()
+    assert stats.rows == n and all(r["usage"]["completion_tokens"] == max_tokens for r in written)
+    busy = [s for s in seen[: first_row_at[0]] if s != (0, 0)]
+    assert busy, f"the board showed nothing before the first row: {seen}"
+    assert max(rows for rows, _ in busy) == n and all(0 < rows <= n for rows, _ in busy), busy
+    tokens = [t for _, t in busy]
+    assert len(set(tokens)) >= 3 and tokens[0] < max(tokens) <= n * max_tokens, busy  # it grew as rows decoded
+    assert activity() == (0, 0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        a["ActorClassName"] == "ProgressBoard" and a["State"] != "DEAD" for a in ray._private.state.actors().values()
+    ):
+        time.sleep(0.1)
+    boards = [a for a in ray._private.state.actors().values() if a["ActorClassName"] == "ProgressBoard"]
+    assert boards and all(a["State"] == "DEAD" for a in boards), boards
+
+
 def test_a_killed_replica_is_restarted_and_its_batch_retried(cluster, tiny_llama_dir, tmp_path) -> None:
     lines = input_lines(20)
     src = write_input(tmp_path / "in.jsonl", lines)
