@@ -136,11 +136,6 @@ def bf16_units() -> tuple[str, ...]:
     return tuple(found)
 
 
-def native_bf16_units() -> bool:
-    """Whether this CPU has bf16 matrix units (``bf16_units``)."""
-    return bool(bf16_units())
-
-
 def _cpuinfo_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
