@@ -69,6 +69,7 @@ def one_round(drivers: list[Driver]) -> dict:
         "tokens_per_s": tokens / wall,
         "each_tokens_per_s": [a["output_tokens"] / a["wall_s"] for a in answers],
         "threads": [a.get("threads") for a in answers],
+        "tuner_switches": [a.get("tuner_switches") for a in answers],  # ours only: thread counts kept so far
         "load": load(),
     }
 
