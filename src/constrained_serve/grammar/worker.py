@@ -3,9 +3,10 @@
 Neither grammar engine can be interrupted: llguidance 1.9 spins for ever on some grammars
 (holding the GIL in ``compute_ff_tokens``, growing ~10 MB/s in ``compute_mask``), xgrammar's
 jump-forward search can too. A thread cannot be stopped, so every call into them runs in a
-worker process (``python -m constrained_serve.grammar.worker_process``) that the engine kills when an
-item of work overruns its deadline, and starts afresh. The memory of a killed worker comes
-back to the system at once; nothing it did can hang or poison the engine's process.
+worker process (``worker_process.py``, forked from a server that imported its backend once:
+``fork_server.py``) that the engine kills when an item of work overruns its deadline, and
+starts afresh. The memory of a killed worker comes back to the system at once; nothing it
+did can hang or poison the engine's process.
 
 Protocol, over a Unix socket pair (``multiprocessing.connection.Connection`` framing):
 ``("init", backend, TokenizerData, options, rows)`` -> ``("ready", pid)``, then
@@ -22,17 +23,16 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any
 
+from . import launcher
+from .fork_server import start_worker
 from .shared_memory import PAGE, ProgressCell, SharedBitmask, shared_file
 
 logger = logging.getLogger(__name__)
@@ -56,57 +56,6 @@ class WorkerFailure(Exception):
         self.index = index
         self.overrun = overrun
         self.elapsed = elapsed  # (wall, CPU seconds) the overrunning item ran, when known
-
-
-class _Launcher:
-    """Starts every worker from one long-lived daemon thread. A worker asks the kernel to
-    SIGKILL it when its parent dies (PR_SET_PDEATHSIG), which on Linux means the thread that
-    started it: a caller's short-lived thread would take the worker with it."""
-
-    _lock = threading.Lock()
-    _queue: "queue.Queue[tuple[list[str], dict[str, Any], queue.Queue]] | None" = None
-
-    @classmethod
-    def popen(cls, argv: list[str], **kw: Any) -> subprocess.Popen:
-        with cls._lock:
-            if cls._queue is None:
-                cls._queue = queue.Queue()
-                threading.Thread(
-                    target=cls._serve, args=(cls._queue,), name="grammar-worker-launcher", daemon=True
-                ).start()
-        reply: queue.Queue = queue.Queue()
-        cls._queue.put((argv, kw, reply))
-        ok, value = reply.get()
-        if not ok:
-            raise value
-        return value
-
-    @staticmethod
-    def _serve(q: queue.Queue) -> None:
-        while True:
-            argv, kw, reply = q.get()
-            try:
-                reply.put((True, subprocess.Popen(argv, **kw)))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                reply.put((False, e))
-
-
-def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # The package as this process imports it (a source checkout on sys.path included).
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    # One thread each: the worker's work is sequential, the cores belong to the forward.
-    env.update(OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-def _forward_stderr(stream: Any, label: str) -> None:
-    with stream:
-        for raw in stream:
-            line = raw.decode("utf-8", "replace").rstrip()
-            if line:
-                logger.debug("%s grammar worker: %s", label, line)
 
 
 class WorkerClient:
@@ -165,28 +114,11 @@ class WorkerClient:
         self.kill()
         ours, theirs = socket.socketpair()
         fds = [theirs.fileno(), self._progress_fd] + ([self.bitmask.fd] if self.bitmask else [])
-        argv = [sys.executable, "-m", "constrained_serve.grammar.worker_process", str(os.getpid())] + [
-            str(f) for f in fds
-        ]
         try:
-            self._proc = _Launcher.popen(
-                argv,
-                pass_fds=fds,
-                env=_worker_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
+            self._proc = start_worker(self.backend, fds)
         finally:
             theirs.close()
-        # What the engines print (xgrammar's C++ warnings, a crash's last words) goes to
-        # logging rather than to the user's terminal; read by a thread so the pipe never fills.
-        threading.Thread(
-            target=_forward_stderr,
-            args=(self._proc.stderr, self.label),
-            daemon=True,
-            name=f"grammar-worker-stderr-{self._proc.pid}",
-        ).start()
+        launcher.start_stderr_thread(self._proc.stderr, f"{self.label} grammar worker", self._proc.pid)
         self._conn = Connection(ours.detach())
         self.epoch += 1
         self.starts += 1

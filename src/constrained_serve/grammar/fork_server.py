@@ -1,0 +1,400 @@
+"""Grammar workers forked from a server that imported their backend once.
+
+A worker started as ``python -m constrained_serve.grammar.worker_process`` pays an interpreter
+and its backend's imports: about 0.8 s of CPU for llguidance, 3.5-4.6 s for xgrammar (which
+imports torch and transformers). An engine starts a compile and a mask worker per backend
+(up to 8 mask workers on a GPU machine), starts a new one after each runaway it kills, and a
+process may build several engines (a notebook, the tests). The first xgrammar request
+waited about 9 s for its two workers, one after the other.
+
+So the first worker of a backend starts its fork server (``python -m
+constrained_serve.grammar.fork_server BACKEND PARENT FD``), a single-threaded process that
+imports the backend and then forks one worker per request: a few milliseconds each. The
+child runs ``worker_process.main`` as a spawned worker does, on the file descriptors the
+engine sends with the request (its socket, progress page, bitmask and stderr pipe, as
+SCM_RIGHTS) and in the request's environment. Fork is safe here because the server has no
+other thread when it forks (it checks, and starts none; ``OMP_NUM_THREADS=1`` keeps OpenBLAS
+and torch from starting pools at import); forking the engine itself would not be.
+
+One server per backend and process, shared by the process's engines. It dies with the
+process (PR_SET_PDEATHSIG, its loop watches its parent, and the closed socket ends it), and
+its workers die with it. The engine holds a pidfd per worker (``ForkedWorker``, with the
+part of ``subprocess.Popen`` the worker client uses): poll, wait and kill go through it, so
+a reused pid is never signalled. The server reaps its workers and reports their exit codes.
+Where any of this is missing (not Linux, no pidfd, a server that cannot start), or with
+``CONSTRAINED_SERVE_FORK_SERVER=0``, workers are spawned as before (``start_worker``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from . import launcher
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ForkServer", "ForkServerError", "ForkedWorker", "fork_server_enabled", "start_worker"]
+
+ENV = "CONSTRAINED_SERVE_FORK_SERVER"
+MAX_MESSAGE = 1 << 20  # a request carries the worker's environment
+
+
+class ForkServerError(OSError):
+    """The fork server could not start, or could not fork a worker."""
+
+
+def fork_server_enabled() -> bool:
+    return (
+        sys.platform == "linux"
+        and hasattr(os, "pidfd_open")
+        and hasattr(signal, "pidfd_send_signal")
+        and os.environ.get(ENV, "1").strip() not in ("0", "false", "no", "off")
+    )
+
+
+def start_worker(backend: str, fds: list[int]) -> Any:
+    """A grammar worker process for ``backend`` on ``fds`` (socket, progress page[, bitmask]):
+    forked by the backend's server where it can be, else spawned. Returns a ``Popen`` or a
+    ``ForkedWorker``; either has ``pid``, ``poll``, ``kill``, ``wait``, ``returncode`` and
+    ``stderr``."""
+    env = launcher.worker_env()
+    if fork_server_enabled():
+        for attempt in (1, 2):  # a server that died (killed from outside) is started again once
+            try:
+                return ForkServer.for_backend(backend).fork(fds, env)
+            except ForkServerError as e:
+                logger.debug("%s fork server (attempt %d): %s", backend, attempt, e)
+        logger.info("the %s fork server is not available: starting its grammar worker afresh", backend)
+    argv = [sys.executable, "-m", "constrained_serve.grammar.worker_process", str(os.getpid())] + [str(f) for f in fds]
+    return launcher.popen(
+        argv, pass_fds=fds, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+# ----------------------------------------------------------------------------- engine side
+
+
+class ForkServer:
+    """The engine's side of one backend's fork server: ``fork`` asks it for a worker."""
+
+    _servers: dict[str, ForkServer] = {}
+    _servers_lock = threading.Lock()
+
+    @classmethod
+    def for_backend(cls, backend: str, start_timeout_s: float = 120.0) -> ForkServer:
+        with cls._servers_lock:
+            server = cls._servers.get(backend)
+            # A copy of this process made by fork() must not share its parent's server.
+            if server is None or server.owner != os.getpid() or not server.alive:
+                if server is not None and server.owner == os.getpid():
+                    server.close()
+                server = cls._servers[backend] = cls(backend, start_timeout_s)
+            return server
+
+    def __init__(self, backend: str, start_timeout_s: float = 120.0):
+        self.backend = backend
+        self.owner = os.getpid()
+        self._lock = threading.Lock()  # one request (and its reply) at a time
+        self._exits: dict[int, int] = {}  # exit codes the server reported, by worker pid
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-m", "constrained_serve.grammar.fork_server", backend, str(os.getpid())]
+        try:
+            self._proc = launcher.popen(
+                argv + [str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env=launcher.worker_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        except OSError as e:
+            ours.close()
+            raise ForkServerError(f"cannot start: {e}") from e
+        finally:
+            theirs.close()
+        launcher.start_stderr_thread(self._proc.stderr, f"{backend} fork server", self._proc.pid)
+        self._sock = ours
+        started = time.monotonic()
+        try:
+            reply, _ = self._receive(start_timeout_s)
+        except ForkServerError as e:
+            self.close()
+            raise ForkServerError(f"did not start: {e}") from e
+        if "ready" not in reply:
+            self.close()
+            raise ForkServerError(f"did not start: {reply.get('error', reply)}")
+        logger.debug("%s fork server ready in %.1f s (pid %d)", backend, time.monotonic() - started, self._proc.pid)
+
+    @property
+    def alive(self) -> bool:
+        return self._sock is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def fork(self, fds: list[int], env: dict[str, str], timeout_s: float = 60.0) -> ForkedWorker:
+        """A worker running ``worker_process.main`` on ``fds`` in ``env``."""
+        read_end, write_end = os.pipe()  # the worker's stderr, for the engine's logging
+        try:
+            with self._lock:
+                if self._sock is None:
+                    raise ForkServerError("closed")
+                try:
+                    socket.send_fds(self._sock, [json.dumps({"env": env}).encode()], [*fds, write_end])
+                except OSError as e:
+                    self.close()
+                    raise ForkServerError(f"is gone ({e})") from e
+                reply, pidfds = self._receive(timeout_s)
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        if "forked" not in reply or len(pidfds) != 1:
+            for fd in pidfds:
+                os.close(fd)
+            os.close(read_end)
+            raise ForkServerError(f"could not fork a worker: {reply.get('error', reply)}")
+        return ForkedWorker(reply["forked"], pidfds[0], os.fdopen(read_end, "rb"), self)
+
+    def exit_code(self, pid: int, timeout_s: float) -> int | None:
+        """The exit code of worker ``pid`` (which has exited), as the server reports it."""
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            while pid not in self._exits and self._sock is not None:
+                if not select.select([self._sock], [], [], max(0.0, end - time.monotonic()))[0]:
+                    break
+                try:
+                    self._read()
+                except ForkServerError:
+                    break
+            return self._exits.pop(pid, None)
+
+    def _receive(self, timeout_s: float) -> tuple[dict[str, Any], list[int]]:
+        """The next reply that is not an exit report; under the lock (or before the server
+        is shared)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            if not select.select([self._sock], [], [], max(0.0, end - time.monotonic()))[0]:
+                raise ForkServerError(f"no answer within {timeout_s:g} s")
+            reply, fds = self._read()
+            if "exit" not in reply:
+                return reply, fds
+
+    def _read(self) -> tuple[dict[str, Any], list[int]]:
+        """One message from the server; a worker's exit report is recorded."""
+        try:
+            msg, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
+        except OSError as e:
+            self.close()
+            raise ForkServerError(f"is gone ({e})") from e
+        if not msg:
+            self.close()
+            raise ForkServerError(f"exited (code {self._proc.poll()})")
+        reply = json.loads(msg)
+        if "exit" in reply:
+            self._exits[reply["exit"]] = reply["code"]
+        return reply, fds
+
+    def close(self) -> None:
+        """Stop the server (its workers die with it)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class ForkedWorker:
+    """A forked worker, as the worker client uses a ``subprocess.Popen``."""
+
+    def __init__(self, pid: int, pidfd: int, stderr: Any, server: ForkServer):
+        self.pid = pid
+        self.stderr = stderr
+        self.returncode: int | None = None
+        self._pidfd = pidfd
+        self._server = server
+        self._killed = False
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+            self._exited()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._pidfd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(f"grammar worker {self.pid}", timeout)
+            self._exited()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                self._killed = True
+            except ProcessLookupError:  # exited already
+                pass
+
+    def _exited(self) -> None:
+        code = self._server.exit_code(self.pid, timeout_s=0.5)
+        if code is None:  # the server did not say (it died too): what is known
+            code = -signal.SIGKILL if self._killed else -1
+        self.returncode = code
+        os.close(self._pidfd)
+
+    def __del__(self) -> None:
+        if self.returncode is None and getattr(self, "_pidfd", -1) >= 0:
+            try:
+                os.close(self._pidfd)
+            except OSError:
+                pass
+
+
+# ----------------------------------------------------------------------------- server side
+
+
+def _preload(backend: str) -> None:
+    """What every worker of ``backend`` imports, imported once here."""
+    from . import host, worker_process  # noqa: F401
+
+    if backend == "llguidance":
+        from . import llguidance  # noqa: F401
+    elif backend == "xgrammar":
+        from . import xgrammar  # noqa: F401
+    else:
+        raise ValueError(f"unknown grammar backend {backend!r}")
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def serve(backend: str, parent: int, ctl_fd: int) -> None:
+    ctl = socket.socket(fileno=ctl_fd)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+    try:
+        _preload(backend)
+        if _threads() != 1:  # fork would copy a process whose other threads may hold locks
+            raise RuntimeError(f"{_threads()} threads after importing {backend}; fork needs one")
+    except BaseException as e:  # noqa: BLE001 - reported to the engine, which spawns instead
+        ctl.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        os._exit(1)
+
+    def reap(_signum: int = 0, _frame: Any = None) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            try:
+                ctl.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+            except OSError:
+                os._exit(0)
+
+    signal.signal(signal.SIGCHLD, reap)
+    ctl.send(json.dumps({"ready": os.getpid()}).encode())
+    while True:
+        if os.getppid() != parent:
+            os._exit(0)
+        if not select.select([ctl], [], [], 1.0)[0]:
+            continue
+        try:
+            msg, fds, _, _ = socket.recv_fds(ctl, MAX_MESSAGE, 8)
+        except OSError:
+            os._exit(0)
+        if not msg:  # the engine's process closed its end: done
+            os._exit(0)
+        _fork_worker(ctl, json.loads(msg), fds)
+
+
+def _fork_worker(ctl: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    *worker_fds, stderr_fd = fds
+    server = os.getpid()
+    pidfd, error = -1, None
+    # SIGCHLD held until the pidfd is open: a worker that dies at once is not reaped (and its
+    # pid reused) before then.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _run_worker(ctl, request["env"], server, worker_fds, stderr_fd)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as e:
+            os.kill(pid, signal.SIGKILL)
+            error = f"pidfd_open: {e}"
+    except OSError as e:
+        error = f"fork: {e}"
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        for fd in fds:
+            os.close(fd)
+    if error is not None:
+        ctl.send(json.dumps({"error": error}).encode())
+        return
+    try:
+        socket.send_fds(ctl, [json.dumps({"forked": pid}).encode()], [pidfd])
+    finally:
+        os.close(pidfd)
+
+
+def _run_worker(ctl: socket.socket, env: dict[str, str], server: int, fds: list[int], stderr_fd: int) -> None:
+    """In the forked child: become a grammar worker; never returns."""
+    code = 1
+    try:
+        ctl.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(stderr_fd, 2)
+        os.close(null)
+        os.close(stderr_fd)
+        os.environ.clear()
+        os.environ.update(env)
+        from . import worker_process
+
+        worker_process.main([str(server)] + [str(f) for f in fds])
+        code = 0
+    except BaseException:  # noqa: BLE001 - its last words go to the engine's log
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    # As a worker does: Ctrl-C reaches the whole foreground group, and the engine decides
+    # what it means. Its workers inherit this.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
