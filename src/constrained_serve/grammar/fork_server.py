@@ -218,7 +218,8 @@ class ForkServer:
 
 
 class ForkedWorker:
-    """A forked worker, as the worker client uses a ``subprocess.Popen``."""
+    """A forked worker, as the worker client uses a ``subprocess.Popen``. Thread-safe: the
+    pidfd is closed once, under the lock, never while another thread waits on it."""
 
     def __init__(self, pid: int, pidfd: int, stderr: Any, server: ForkServer):
         self.pid = pid
@@ -227,38 +228,45 @@ class ForkedWorker:
         self._pidfd = pidfd
         self._server = server
         self._killed = False
+        self._lock = threading.Lock()
 
     def poll(self) -> int | None:
-        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
-            self._exited()
-        return self.returncode
+        with self._lock:
+            if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+                self._exited()
+            return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            if not select.select([self._pidfd], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired(f"grammar worker {self.pid}", timeout)
-            self._exited()
-        return self.returncode
+        with self._lock:
+            if self.returncode is None:
+                if not select.select([self._pidfd], [], [], timeout)[0]:
+                    raise subprocess.TimeoutExpired(f"grammar worker {self.pid}", timeout)
+                self._exited()
+            return self.returncode
 
     def kill(self) -> None:
-        if self.returncode is None:
-            try:
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-                self._killed = True
-            except ProcessLookupError:  # exited already
-                pass
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                    self._killed = True
+                except ProcessLookupError:  # exited already
+                    pass
 
     def _exited(self) -> None:
         code = self._server.exit_code(self.pid, timeout_s=0.5)
         if code is None:  # the server did not say (it died too): what is known
             code = -signal.SIGKILL if self._killed else -1
         self.returncode = code
-        os.close(self._pidfd)
+        fd, self._pidfd = self._pidfd, -1
+        os.close(fd)
 
     def __del__(self) -> None:
-        if self.returncode is None and getattr(self, "_pidfd", -1) >= 0:
+        fd = getattr(self, "_pidfd", -1)
+        if fd >= 0:
+            self._pidfd = -1
             try:
-                os.close(self._pidfd)
+                os.close(fd)
             except OSError:
                 pass
 
