@@ -30,10 +30,11 @@ demo: setup
 # Lint and format check first (ruff, configured in pyproject.toml): a failure stops before pytest.
 # Two pytest workers, a test file each at a time (module fixtures stay shared within a file):
 # the tests run the model on one thread each (tests/conftest.py), so two files use the two
-# cores of the CI machine. TEST_WORKERS=0 runs them in this process.
+# cores of the CI machine, the longest files first (tests/conftest.py). TEST_WORKERS=0 runs them
+# in this process.
 TEST_WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 lint: setup
 	$(PY) -m ruff check src tests benchmarks examples

@@ -35,6 +35,35 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 torch.set_num_threads(int(THREADS))
 
+# The test files that take longest on 2 cores (--durations, 2026-12-07), longest first.
+# pytest-xdist hands whole files to its two workers in collection order (make test turns off
+# its reordering by test count, --no-loadscope-reorder): started first, the long files no
+# longer run alone at the end while the other worker idles (that tail was 40 s of 648).
+# Only the order changes; a file not listed keeps its place after these.
+SLOWEST_FILES = [
+    "tests/ray/test_pipeline.py",  # 206 s
+    "tests/engine/test_engine_structured.py",  # 84 s
+    "tests/docs/test_examples.py",  # 76 s
+    "tests/grammar/test_conformance.py",  # 62 s
+    "tests/server/test_tools.py",  # 51 s
+    "tests/docs/test_notebook.py",  # 48 s
+    "tests/models/test_llama.py",  # 47 s
+    "tests/engine/test_engine.py",  # 44 s
+    "tests/cli/test_extract_command.py",  # 37 s
+    "tests/docs/test_docs.py",  # 36 s
+    "tests/runtime/test_cuda_graphs.py",  # 36 s
+    "tests/tools/test_engine_tools.py",  # 34 s
+    "tests/kernel/test_sampling_candidates.py",  # 33 s
+    "tests/server/test_hardening.py",  # 31 s
+    "tests/grammar/test_worker.py",  # 30 s
+    "tests/engine/test_engine_grammar_faults.py",  # 29 s
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files stay whole
+
 
 @pytest.fixture(scope="session")
 def default_model_dir():
