@@ -1,4 +1,4 @@
-"""Grammar workers forked from one server per backend (grammar/fork_server.py): the workers
+"""Grammar workers forked from one server per backend (grammar/fork_server.py, grammar/forked_workers.py): the workers
 of every manager of a process share it, an exit code reaches the engine, a killed server is
 replaced and takes its workers with it, and with the server switched off workers are spawned
 as before. Real workers and backends throughout."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from constrained_serve.grammar import GrammarManager, make_output_spec
-from constrained_serve.grammar.fork_server import ENV, ForkedWorker
+from constrained_serve.grammar.forked_workers import ENV, ForkedWorker
 
 MODEL_VOCAB = 49152
 

@@ -4,7 +4,7 @@ Neither grammar engine can be interrupted: llguidance 1.9 spins for ever on some
 (holding the GIL in ``compute_ff_tokens``, growing ~10 MB/s in ``compute_mask``), xgrammar's
 jump-forward search can too. A thread cannot be stopped, so every call into them runs in a
 worker process (``worker_process.py``, forked from a server that imported its backend once:
-``fork_server.py``) that the engine kills when an item of work overruns its deadline, and
+``fork_server.py``, ``forked_workers.py``) that the engine kills when an item of work overruns its deadline, and
 starts afresh. The memory of a killed worker comes back to the system at once; nothing it
 did can hang or poison the engine's process.
 
@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from . import launcher
-from .fork_server import start_worker
+from .forked_workers import start_worker
 from .shared_memory import PAGE, ProgressCell, SharedBitmask, shared_file
 
 logger = logging.getLogger(__name__)

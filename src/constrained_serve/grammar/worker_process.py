@@ -52,9 +52,9 @@ class _Records(logging.Handler):
         return out
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the engine's process dies, however it dies (Linux), and
-    check by polling elsewhere (a runaway that holds the GIL stops only the polling)."""
+def exit_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies, however it dies (Linux);
+    exit now if ``parent`` is gone already (this process was reparented)."""
     try:
         import ctypes
         import signal
@@ -65,6 +65,12 @@ def _die_with_parent(parent: int) -> None:
         pass
     if os.getppid() != parent:
         os._exit(1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """``exit_with_parent``, and check by polling elsewhere (a runaway that holds the GIL
+    stops only the polling)."""
+    exit_with_parent(parent)
 
     def watch() -> None:
         while os.getppid() == parent:
