@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import cpu_linear
+from . import cpu_linear, hf_files
 from .llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -215,13 +215,10 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
 
 
 def load_config_and_tokenizer(src: ModelSource) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
-    from transformers import AutoConfig, AutoTokenizer
-
     if src.gguf is not None:
         return load_gguf_config_and_tokenizer(src.gguf)
-    cfg = AutoConfig.from_pretrained(str(src.folder))
-    tok = AutoTokenizer.from_pretrained(str(src.folder))
-    return cfg, tok
+    cfg = hf_files.load_config(src.folder, cache_dir())
+    return cfg, hf_files.load_tokenizer(src.folder, cfg)
 
 
 def eos_token_ids(hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
