@@ -30,6 +30,7 @@ except ImportError:  # make setup installs it; a missing Ray is a failure, not a
     pytest.fail("Ray is not installed: pip install 'constrained-serve[ray]' (make setup does)", pytrace=False)
 
 from constrained_serve.cli import main  # noqa: E402
+from constrained_serve.ray.session import start_local_cluster  # noqa: E402
 
 from ..helpers import EXAMPLES, SHORT_SCHEMA, subprocess_env  # noqa: E402
 
@@ -60,7 +61,7 @@ def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    start_local_cluster(ray, num_cpus=2, logging_level="ERROR")  # as the CLI starts one
     node = ray._private.worker._global_node
     pids = [p.process.pid for procs in node.all_processes.values() for p in procs]
     yield ray
@@ -185,6 +186,16 @@ def test_ray_flags_need_ray_and_a_missing_ray_fails_at_once(tmp_path, capsys, mo
     assert time.perf_counter() - started < 1.0 and not out.exists()
     with pytest.raises(RayNotInstalledError, match=r"constrained-serve\[ray\]"):
         extract(src, out)
+
+
+def test_replicas_of_a_cluster_started_here_run_at_the_drivers_priority(cluster) -> None:
+    """Not Ray's nice 15, at which any other busy process on the machine starves them."""
+
+    @ray.remote(num_cpus=1)
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert ray.get(niceness.remote(), timeout=120) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def test_ray_rows_equal_local_rows_and_every_replica_gets_rows(cluster, tiny_llama_dir, tmp_path, capsys) -> None:
