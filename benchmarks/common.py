@@ -131,6 +131,14 @@ def measure_rounds(systems: dict[str, tuple], repeats: int) -> dict[str, dict]:
     return out
 
 
+def source_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a subprocess that must import this tree's package
+    (its ``src`` first on PYTHONPATH, before any the caller set), plus ``extra``."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def save(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     kind = "gpu" if torch.cuda.is_available() else "cpu"

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
-from common import engine_parser, median, save  # noqa: E402
+from common import engine_parser, median, save, source_env  # noqa: E402
 
 from constrained_serve.cli import main  # noqa: E402
 
@@ -50,7 +50,7 @@ def workload(path: Path, n: int) -> None:
 def run(argv: list[str], out: Path, processes: bool) -> tuple[float, int]:
     t = time.perf_counter()
     if processes:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+        env = source_env()
         cmd = [sys.executable, "-m", "constrained_serve.cli"] + argv + ["-o", str(out), "-q"]
         done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         assert done.returncode == 0, done.stderr[-2000:]

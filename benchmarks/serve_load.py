@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,9 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import chat_workload, median, save  # noqa: E402
+from common import chat_workload, median, save, source_env  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {
     "type": "object",
     "additionalProperties": False,
@@ -42,7 +40,7 @@ def free_port() -> int:
 
 
 def start_server(port: int, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = source_env()
     proc = subprocess.Popen(
         [
             sys.executable,

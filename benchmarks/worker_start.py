@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, save  # noqa: E402
+from common import median, save, source_env  # noqa: E402
 
 ROUND = r"""
 import json, time
@@ -36,9 +35,7 @@ print(json.dumps(out))
 
 
 def one_round(fork_server: bool) -> dict[str, float]:
-    env = {**os.environ, "CONSTRAINED_SERVE_FORK_SERVER": "1" if fork_server else "0", "OMP_NUM_THREADS": "1"}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    env = source_env(CONSTRAINED_SERVE_FORK_SERVER="1" if fork_server else "0", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", ROUND], env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(done.stderr[-3000:])
