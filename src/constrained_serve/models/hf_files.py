@@ -42,24 +42,21 @@ _DIRECT_TOKENIZER_TYPES = ("llama", "qwen3")
 _CACHE_VERSION = 1  # bump when what is stored changes
 
 
-def load_config(folder: Path, cache: Path | None) -> PretrainedConfig:
+def load_config(folder: Path, cache: Path) -> PretrainedConfig:
     """The folder's config as ``AutoConfig`` resolves it; from ``cache`` when it has it."""
-    raw = (folder / "config.json").read_bytes()
-    kept = _cache_file(cache, raw) if cache is not None else None
-    if kept is not None:
-        try:
-            fields = json.loads(kept.read_text())
-        except (OSError, ValueError):
-            fields = None
-        if isinstance(fields, dict) and fields.get("model_type"):
-            from transformers.configuration_utils import PreTrainedConfig
+    kept = _cache_file(cache, (folder / "config.json").read_bytes())
+    try:
+        fields = json.loads(kept.read_text())
+    except (OSError, ValueError):
+        fields = None
+    if isinstance(fields, dict) and fields.get("model_type"):
+        from transformers.configuration_utils import PreTrainedConfig
 
-            return PreTrainedConfig(**fields)
+        return PreTrainedConfig(**fields)
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(folder))
-    if kept is not None:
-        _write_atomically(kept, json.dumps(cfg.to_dict()))
+    _write_atomically(kept, json.dumps(cfg.to_dict()))
     return cfg
 
 
