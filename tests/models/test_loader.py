@@ -99,3 +99,20 @@ def test_stray_config_keys_and_mistral_consolidated_files_are_ignored(tmp_path, 
     save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64)}, str(folder / "consolidated.safetensors"))
     reqs, prefill, _ = our_logits(folder, default_tokenizer, PROMPTS[:1])
     assert (prefill[0] - hf_logits(folder, reqs[0].token_ids)[-2]).abs().max().item() < 1e-4
+
+
+def test_materialize_gives_meta_models_cpu_storage_in_the_dtype_and_keeps_ties():
+    """build_model's replacement of Module.to_empty(...).to(dtype) (see loader.materialize)."""
+    nn = torch.nn
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=True))
+        model[1].weight = model[0].weight  # tied, as tie_word_embeddings would tie them
+        model.register_buffer("steps", torch.zeros(3, dtype=torch.int64), persistent=False)
+        model.register_buffer("scale", torch.ones(2))
+    loader.materialize(model, torch.bfloat16)
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    assert all(t.device.type == "cpu" for t in tensors.values())
+    assert model[0].weight is model[1].weight and isinstance(model[0].weight, nn.Parameter)
+    assert model[1].bias.dtype == torch.bfloat16 and model[1].bias.requires_grad
+    assert model.steps.dtype == torch.int64 and model.scale.dtype == torch.bfloat16
+    assert set(model.state_dict()) == {"0.weight", "1.weight", "1.bias", "scale"}  # persistence kept

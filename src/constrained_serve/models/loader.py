@@ -309,6 +309,28 @@ def init_dummy_weights(model: LlamaModel, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02).to(p.dtype))
 
 
+def materialize(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give a model built on the meta device real, uninitialised CPU storage (floating-point
+    tensors in ``dtype``): what ``model.to_empty(device="cpu").to(dtype)`` does, without its
+    cost. to_empty goes through torch.empty_like on meta tensors, whose Python reference
+    implementation imports sympy and torch's symbolic shapes: 0.6-0.8 s of every process that
+    loads a model (a CLI run, each Ray replica, a notebook kernel), and nothing else in a run
+    imports them. A parameter shared by two modules stays shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="cpu")
+
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(empty(p), requires_grad=p.requires_grad)
+                setattr(module, name, made[id(p)])
+            for name, b in list(module.named_buffers(recurse=False)):
+                setattr(module, name, empty(b))  # an existing buffer keeps its persistence
+
+
 def build_model(
     src: ModelSource,
     hf_config: PretrainedConfig,
@@ -319,9 +341,9 @@ def build_model(
 ) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(hf_config, max_positions=max_positions)
-    # The rotary tables were computed on CPU for real; to_empty would wipe them.
+    # The rotary tables were computed on CPU for real; materializing would wipe them.
     cos, sin = model.rotary.cos.clone(), model.rotary.sin.clone()
-    model = model.to_empty(device="cpu").to(dtype)
+    materialize(model, dtype)
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "auto":
