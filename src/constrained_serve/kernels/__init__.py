@@ -12,5 +12,7 @@
 - onednn.py: oneDNN matmuls on CPU (the prepacked projections and the per-head prefill attention).
 
 Triton is optional: without it every ``*_triton`` raises and dispatch uses the references.
+It is imported where a Triton kernel first runs (attention.py and sampling.py resolve their
+``*_triton`` names on first use): the CPU path never pays its 0.3 s import.
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (that is how the tests check them).
 """

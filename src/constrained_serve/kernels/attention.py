@@ -15,6 +15,8 @@ to every key at a position <= its own.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import native_decode
@@ -59,21 +61,18 @@ def paged_attention_torch(
     return out
 
 
-# The GPU path, in its own file; its names stay importable from here.
-from .attention_triton import (  # noqa: E402, F401
-    HAS_TRITON,
-    default_num_splits,
-    paged_attention_triton,
-    store_kv_triton,
-    triton_supports,
-)
+# The GPU path, in its own file; its names stay importable from here, imported on first use:
+# importing Triton costs 0.3 s, which a process that never runs a Triton kernel (the CPU
+# path: a CLI run, a notebook, each Ray replica) should not pay.
+TRITON_NAMES = ("HAS_TRITON", "default_num_splits", "paged_attention_triton", "store_kv_triton", "triton_supports")
 
-__all__ = [
-    "HAS_TRITON",
-    "default_num_splits",
-    "paged_attention_torch",
-    "paged_attention_triton",
-    "store_kv_torch",
-    "store_kv_triton",
-    "triton_supports",
-]
+
+def __getattr__(name: str) -> Any:
+    if name in TRITON_NAMES:
+        from . import attention_triton
+
+        return getattr(attention_triton, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["paged_attention_torch", "store_kv_torch", *TRITON_NAMES]

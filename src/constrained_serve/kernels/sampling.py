@@ -9,14 +9,25 @@ output position), so a row's draw does not depend on what else is in the batch.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
 from . import native_fused
-from ._triton import require_triton
-from .sampling_candidates import sample_with_candidates
 from .sampling_tensors import SamplingTensors
-from .sampling_triton import HAS_TRITON, apply_bitmask_triton, sample_fused_triton  # noqa: F401
+
+# The Triton sampler's names stay importable from here, imported on first use (Triton's
+# import costs 0.3 s that the CPU path never needs; see attention.py).
+TRITON_NAMES = ("HAS_TRITON", "apply_bitmask_triton", "sample_fused_triton")
+
+
+def __getattr__(name: str) -> Any:
+    if name in TRITON_NAMES:
+        from . import sampling_triton
+
+        return getattr(sampling_triton, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -154,7 +165,11 @@ def sample_triton(
     kernel (sampling_triton.py), after ``candidates`` (rows, their largest top_k) drew
     from their top-k candidates (sampling_candidates.py). ``kernel_options``: the fused
     kernel's block sizes and warps."""
+    from .sampling_triton import require_triton, sample_fused_triton  # Triton's import: only here
+
     require_triton()
     if candidates is not None and candidates[0] and not all_greedy:
+        from .sampling_candidates import sample_with_candidates
+
         return sample_with_candidates(logits, bitmask, params, candidates, **kernel_options)
     return sample_fused_triton(logits, bitmask, params, all_greedy=all_greedy, **kernel_options)

@@ -15,7 +15,7 @@ import torch
 
 from ..engine.batch import Batch
 from ..engine.request import Request
-from ..kernels.attention import triton_supports
+from ..kernels import attention
 from ..kernels.attention_metadata import AttentionMetadata
 from ..kernels.dispatch import use_triton
 from ..kernels.kv_layout import allocate_pool
@@ -46,7 +46,7 @@ def graphs_supported(model: LlamaModel, k_cache: torch.Tensor, device: torch.dev
         return False
     a = model.arch
     q = torch.empty(1, a.num_heads, a.head_dim, dtype=k_cache.dtype, device=device)
-    return triton_supports(q, k_cache)
+    return attention.triton_supports(q, k_cache)
 
 
 class ModelRunner:

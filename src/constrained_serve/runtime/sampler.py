@@ -14,7 +14,6 @@ import torch
 
 from ..engine.request import Request
 from ..kernels import dispatch
-from ..kernels.sampling_candidates import candidate_rows
 from ..kernels.sampling_tensors import SamplingTensors
 from ..kernels.transfer import to_device
 from .input_staging import InputStaging
@@ -176,8 +175,13 @@ class Sampler:
         temperature, top_p, min_p = self.staging.f32.upload([temps, [p.top_p for p in ps], [p.min_p for p in ps]])
         (top_k,) = self.staging.i32.upload([ks])
         (seeds,) = self.staging.i64.upload([[step_seed(r.seed, r.num_tokens) for r in requests]])
-        # Only the Triton sampler has a candidate path (kernels/sampling_candidates.py).
-        rows = candidate_rows(temps, ks, logits.shape[-1]) if dispatch.use_triton(logits.device) else []
+        # Only the Triton sampler has a candidate path (kernels/sampling_candidates.py, which
+        # imports Triton: only where it runs).
+        rows: list[int] = []
+        if dispatch.use_triton(logits.device):
+            from ..kernels.sampling_candidates import candidate_rows
+
+            rows = candidate_rows(temps, ks, logits.shape[-1])
         return dispatch.sample(
             logits,
             bitmask,
