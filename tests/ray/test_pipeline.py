@@ -34,7 +34,7 @@ from constrained_serve.ray.session import start_local_cluster  # noqa: E402
 
 from ..helpers import EXAMPLES, SHORT_SCHEMA, subprocess_env  # noqa: E402
 
-REPLICA_CLASS = "MapWorker(MapBatches(ExtractReplica))"
+REPLICA_CLASS = "ExtractReplica"  # a file job's replica actors (replica_pool.py)
 
 
 def _alive(pid: int) -> bool:
@@ -329,7 +329,7 @@ def test_a_killed_replica_is_restarted_and_its_batch_retried(cluster, tiny_llama
 
     def kill_one_replica() -> None:
         # Once rows flow, SIGKILL one replica's process: what the OOM killer or a lost node
-        # does to an actor. (ray.kill needs a handle, which Ray Data keeps to itself; the GCS
+        # does to an actor. (ray.kill needs a handle, which the job keeps to itself; the GCS
         # actor table gives the pid.)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -368,7 +368,13 @@ def test_driver_sigkill_then_resume_and_ctrl_c(cluster, tiny_llama_dir, tmp_path
     src = write_input(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     address = ray.get_runtime_context().gcs_address
-    argv = [sys.executable, "-m", "constrained_serve.cli", "extract", str(src), "-o", str(out)]
+    # The CLI, saying at its end whether Ray Data was imported: a file job runs on Ray's
+    # actors alone (Ray Data's import, pandas and pyarrow, and its actors cost seconds a run).
+    cli = (
+        "import sys; from constrained_serve.cli import main; code = main(); "
+        "print('ray.data was imported' if 'ray.data' in sys.modules else '', file=sys.stderr); sys.exit(code)"
+    )
+    argv = [sys.executable, "-c", cli, "extract", str(src), "-o", str(out)]
     # One replica (an actor start per run is the cost here), small batches: rows land a few at a time.
     argv += ["--ray", "--ray-address", address, "--replicas", "1", "--batch-size", "2"]
     argv += common_args(tiny_llama_dir, max_tokens=24)[:-1]  # not -q: the Ctrl-C message is checked
@@ -408,6 +414,7 @@ def test_driver_sigkill_then_resume_and_ctrl_c(cluster, tiny_llama_dir, tmp_path
     assert len(killed) + 4 <= len(got) < len(keys) and got[: len(killed)] == killed
     assert [row_key(r) for r in got] == keys[: len(got)]
     assert "to resume, rerun the same command" in err and f"{len(got) - len(killed)} rows written in this run" in err
+    assert "ray.data was imported" not in err
     for noise in ("submit failed", "core_worker", ".cc:", "Traceback", "Token authentication", "\x1b["):
         assert noise not in err, err
 

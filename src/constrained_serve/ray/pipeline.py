@@ -1,15 +1,19 @@
-"""The extraction job on Ray Data: the driver side.
+"""The extraction job on Ray: the driver side.
 
-Data flow::
+Data flow of a file job (the CLI's ``--ray``, ``extract(path, output)``)::
 
     input.jsonl --job.read_items()--> items (driver: bad lines -> early errors, duplicate ids
         keyed by line, rows already in the output skipped: the local job's own code)
-      --> ray.data.from_items (one JSON text column per item, blocks of --batch-size rows)
-      --> map_batches(ExtractReplica, ActorPoolStrategy(size=replicas))   [one Engine per actor]
-      --> iter_batches on the driver --> JsonlSink (output.py: one flushed line per row)
+      --> batches of --batch-size item texts, in input order
+      --> replica_pool.replica_batches: one ExtractReplica actor per replica [one Engine each],
+          one batch at a time per actor
+      --> rows back on the driver, in input order --> JsonlSink (output.py: one flushed line per row)
 
     replicas --rows in flight, their tokens--> ProgressBoard actor --> the driver's progress
         line (progress_board.py; only when the CLI shows one)
+
+A Dataset job (``extract(dataset)``, or no ``output``) runs on Ray Data instead: ``map_rows``
+maps the items Dataset through ``map_batches(ExtractReplica, ActorPoolStrategy(...))``.
 
 Why the driver reads the input: line numbers, "this id was already used by line 3" and
 "this key is already in the output" are facts about the whole file in order, which Ray
@@ -21,14 +25,13 @@ after a replica returned it, so a crash (of the driver, an actor or a node) lose
 rows in flight, and the next run (same command) skips every row already written. Each key
 is written once per run even if Ray re-delivers a retried batch.
 
-Order: with ``ordered=True`` (the default) Ray Data's ``preserve_order`` hands batches back
-in input order, so the output file is the local CLI's, row for row. ``ordered=False``
-writes batches as they finish (no waiting behind a slow batch); rows within a batch keep
-input order either way.
+Order: with ``ordered=True`` (the default) batches are handed back in input order, so the
+output file is the local CLI's, row for row. ``ordered=False`` writes batches as they
+finish (no waiting behind a slow batch); rows within a batch keep input order either way.
 
 Faults: Ray restarts a dead replica actor (``max_restarts=-1``) and retries its batch
-(``max_task_retries``); a batch that fails every retry is dropped (``max_errored_blocks``)
-and its rows get error rows of type ``replica_failed``: one bad row cannot fail the job.
+(``max_task_retries``); a batch that fails every retry is dropped and its rows get error
+rows of type ``replica_failed``: one bad row cannot fail the job.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Any
 from ..extract.inputs import InputItem
 from .progress_board import BoardActivity, job_board
 from .replica import FINISHED, KEY, REPLICA, ROW, STARTED, ExtractReplica, ReplicaConfig, item_record
+from .replica_pool import PoolShape, replica_batches
 from .session import ray_session
 from .stats import RayJobStats
 
@@ -132,12 +136,31 @@ def batch_size_for(rows: int, replicas: int) -> int:
     return max(1, math.ceil(rows / batches))
 
 
+def replica_config(config: ReplicaConfig, plan: Plan) -> ReplicaConfig:
+    """``config`` with the torch threads of a CPU replica (its reserved cores) unless set."""
+    if config.num_threads is None and plan.threads is not None:
+        return replace(config, num_threads=plan.threads)
+    return config
+
+
+def pool_shape(plan: Plan, options: RayOptions) -> PoolShape:
+    return PoolShape(
+        replicas=plan.replicas,
+        num_cpus=plan.num_cpus,
+        num_gpus=plan.num_gpus,
+        wait_for_all=plan.all_fit,
+        start_timeout_s=options.replica_start_timeout_s,
+        max_batch_retries=options.max_batch_retries,
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # the pipeline
 
 
 def map_rows(ray: Any, items: Any, config: ReplicaConfig, plan: Plan, options: RayOptions) -> Any:
-    """items Dataset (columns seq, key, item) -> rows Dataset (replica.OUTPUT_COLUMNS), lazily."""
+    """items Dataset (columns seq, key, item) -> rows Dataset (replica.OUTPUT_COLUMNS), lazily:
+    the Dataset jobs of entry.py (a file job runs on replica_pool instead)."""
     # Ray Data queues up to twice an actor's concurrency on it by default, and hands batches
     # to the first actor that is up: with 2 replicas and the 36 demo rows (2 batches of 18)
     # the replica that loaded its model first took both, the other none. One task in flight
@@ -149,8 +172,7 @@ def map_rows(ray: Any, items: Any, config: ReplicaConfig, plan: Plan, options: R
         max_tasks_in_flight_per_actor=options.concurrent_batches,
     )
     resources: dict[str, Any] = {"num_gpus": plan.num_gpus} if plan.num_gpus else {"num_cpus": plan.num_cpus}
-    if config.num_threads is None and plan.threads is not None:
-        config = ReplicaConfig(**{**config.__dict__, "num_threads": plan.threads})
+    config = replica_config(config, plan)
     with warnings.catch_warnings():
         # max_restarts / max_task_retries have no named parameter in Ray 2.60 yet; the
         # keyword form is deprecated (removal announced for 2.64), not gone.
@@ -195,7 +217,7 @@ def run_job(
     on_row: Callable[[dict[str, Any], RayJobStats], None] | None = None,
     activity: BoardActivity | None = None,
 ) -> RayJobStats:
-    """Run ``items`` (from ``job.read_items``) on a Ray actor pool; ``write`` each row once.
+    """Run ``items`` (from ``job.read_items``) on replica actors; ``write`` each row once.
 
     ``write`` is called on this (the driver's) thread, one row per item, as rows come back.
     ``activity`` (a progress line's, see progress_board.py): a ProgressBoard is created for
@@ -228,9 +250,14 @@ def run_job(
         with job_board(ray, activity) as board:  # None without a progress line
             if board is not None:
                 config = replace(config, progress_board=board)
-            rows = map_rows(ray, items_dataset(ray, records, plan.batch_size), config, plan, options)
-            del records  # the object store holds them now
-            for batch in rows.iter_batches(batch_size=None, batch_format="numpy"):
+            texts = [r["item"] for r in records]
+            del records
+            batches = [texts[i : i + plan.batch_size] for i in range(0, len(texts), plan.batch_size)]
+            for batch in replica_batches(
+                ray, batches, replica_config(config, plan), pool_shape(plan, options), options.ordered
+            ):
+                if batch is None:  # failed every retry: its rows are written as error rows below
+                    continue
                 for key, text, replica, started, finished in zip(
                     batch[KEY], batch[ROW], batch[REPLICA], batch[STARTED], batch[FINISHED]
                 ):

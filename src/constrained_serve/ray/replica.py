@@ -1,6 +1,7 @@
-"""One engine replica: the callable class Ray Data runs in each actor of the pool.
+"""One engine replica: the class each Ray actor of a job runs (replica_pool.py for a file
+job; Ray Data's actor pool, as a callable class, for a Dataset job).
 
-Ray Data builds the class once per actor (``__init__`` loads the model, so the weights,
+Ray builds the class once per actor (``__init__`` loads the model, so the weights,
 the compiled grammar and the prefix cache stay warm across every batch the actor gets)
 and calls it once per batch. A batch is a slice of the job's items in input order; the
 replica runs it through the same ``run_extract`` loop as the local CLI, so a row written
@@ -105,6 +106,14 @@ class ExtractReplica:
         logger.info(
             "replica %s: engine ready in %.1fs (%s)", self.name, time.perf_counter() - started, self.engine.device
         )
+
+    def ready(self) -> str:
+        """The replica's name, once its engine is up (replica_pool waits on it)."""
+        return self.name
+
+    def run(self, texts: list[str]) -> dict[str, list[Any]]:
+        """A batch of ``item_record`` texts, as a Ray actor method (replica_pool.py)."""
+        return self({"item": texts})
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list[Any]]:
         started = time.time()
