@@ -321,6 +321,73 @@ def test_progress_board_shows_rows_and_tokens_while_a_batch_decodes(cluster, tin
     assert boards and all(a["State"] == "DEAD" for a in boards), boards
 
 
+def test_a_model_no_replica_can_load_is_a_setup_error(cluster, tmp_path, capsys) -> None:
+    """As locally: exit 2, the loader's reason in one line, no output file, none of Ray's noise."""
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    src = write_input(tmp_path / "in.jsonl", input_lines(2))
+    out = tmp_path / "out.jsonl"
+    capsys.readouterr()
+    assert main(["extract", str(src), "-o", str(out), "--ray"] + common_args(bad)) == 2
+    err = capsys.readouterr().err
+    assert not out.exists()
+    assert re.fullmatch(
+        r"constrained-serve: error: no replica could start: its constructor raised ValueError: "
+        r"Unrecognized model in .*model_type.*\n",
+        err,
+    ), err
+
+
+def test_the_replica_loop_orders_batches_survives_failures_and_gates_on_every_replica(cluster) -> None:
+    """replica_pool's loop on real Ray actors of a stand-in class (no model: what is checked
+    is the hand-out): batches come back in input order (ordered) or as they finish; a batch
+    that raises yields None and the loop goes on; a replica whose constructor fails leaves
+    the others the work, and none starting is an error; the first batch waits for every replica."""
+    from constrained_serve.ray.replica_pool import PoolShape, ReplicaStartError, run_batches
+
+    class Stub:
+        def __init__(self, fail: bool = False):
+            if fail:
+                raise RuntimeError("no model here")
+            self.started = time.time()
+
+        def ready(self) -> str:
+            return f"pid{os.getpid()}"
+
+        def run(self, texts: list[str]) -> dict:
+            if "raise" in texts:
+                raise ValueError("this batch breaks")
+            begun = time.time()
+            time.sleep(float(texts[0]))
+            return {"texts": texts, "pid": os.getpid(), "started": self.started, "begun": begun}
+
+    stub = ray.remote(Stub).options(num_cpus=0)
+    shape = PoolShape(2, 0, 0, wait_for_all=True, start_timeout_s=60, max_batch_retries=0)
+    batches = [["1.5", "a"], ["0", "b"], ["raise"], ["0", "c"]]
+    actors = [stub.remote(), stub.remote()]
+    try:
+        ordered = list(run_batches(ray, actors, batches, shape, ordered=True))
+        assert [r and r["texts"] for r in ordered] == [batches[0], batches[1], None, batches[3]]
+        assert len({r["pid"] for r in ordered if r}) == 2  # both replicas got batches
+        # Gated: no batch ran before the later of the two replicas was up.
+        assert min(r["begun"] for r in ordered if r) > max(r["started"] for r in ordered if r)
+        unordered = list(run_batches(ray, actors, batches, shape, ordered=False))
+        assert [r and r["texts"][-1] for r in unordered].index("a") > 0  # the slow batch came later
+        assert sorted(str(r and r["texts"][-1]) for r in unordered) == ["None", "a", "b", "c"]
+        # One replica cannot start: the other runs every batch.
+        broken = [stub.remote(fail=True), stub.remote()]
+        one = list(run_batches(ray, broken, batches[:2] + batches[3:], shape, ordered=True))
+        assert len({r["pid"] for r in one}) == 1 and [r["texts"][-1] for r in one] == ["a", "b", "c"]
+        with pytest.raises(
+            ReplicaStartError, match="^no replica could start: its constructor raised RuntimeError: no model here$"
+        ):
+            list(run_batches(ray, [stub.remote(fail=True)], batches, shape, ordered=True))
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
 def test_a_killed_replica_is_restarted_and_its_batch_retried(cluster, tiny_llama_dir, tmp_path) -> None:
     lines = input_lines(20)
     src = write_input(tmp_path / "in.jsonl", lines)

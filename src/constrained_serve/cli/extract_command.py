@@ -188,6 +188,7 @@ class _Job:
         from ..ray.pipeline import run_job
         from ..ray.progress_board import BoardActivity
         from ..ray.replica import ReplicaConfig
+        from ..ray.replica_pool import ReplicaStartError
         from ..ray.session import RaySetupError, check_address
         from ..ray.stats import RayJobStats
 
@@ -215,6 +216,11 @@ class _Job:
         try:
             run_job(self.items(source), write, config, options, stats=self.stats, on_row=self.on_row, activity=activity)
             compiling.result()  # also when no row was left to run
+        except ReplicaStartError as e:  # the model does not load there: nothing ran
+            if self.stats.rows:
+                raise
+            self.setup_failed()
+            raise SetupError(str(e)) from None
         except (RaySetupError, SetupError) as e:  # RaySetupError: found, answering, yet refused (auth)
             if self.stats.rows:
                 raise

@@ -12,6 +12,7 @@ from .availability import INSTALL_HINT, RayNotInstalledError, require_ray
 from .entry import extract
 from .pipeline import REPLICA_FAILED, RayOptions, run_job
 from .replica import ExtractReplica, ReplicaConfig
+from .replica_pool import ReplicaStartError
 from .session import RaySetupError
 from .stats import RayJobStats, ReplicaStats
 
@@ -24,6 +25,7 @@ __all__ = [
     "RayOptions",
     "RaySetupError",
     "ReplicaConfig",
+    "ReplicaStartError",
     "ReplicaStats",
     "extract",
     "require_ray",

@@ -19,6 +19,7 @@ every retry yields nothing (the driver writes its rows as ``replica_failed`` err
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 # ray.wait's timeout in the loop: a Ctrl-C (KeyboardInterrupt) is seen within this.
 POLL_S = 0.5
+
+
+class ReplicaStartError(RuntimeError):
+    """No replica of the job could start (its constructor raised: a model that does not
+    load, a bad engine argument): nothing ran."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ def replica_batches(
     )
     actors = [actor_class.remote(config) for _ in range(shape.replicas)]
     try:
-        yield from _run(ray, actors, batches, shape, ordered)
+        yield from run_batches(ray, actors, batches, shape, ordered)
     finally:
         for actor in actors:
             try:
@@ -72,10 +78,14 @@ def replica_batches(
                 logger.debug("replica kill failed: %s: %s", type(e).__name__, e)
 
 
-def _run(
+def run_batches(
     ray: Any, actors: list[Any], batches: list[list[str]], shape: PoolShape, ordered: bool
 ) -> Iterator[dict[str, list[Any]] | None]:
-    starting = {actor.ready.remote(): actor for actor in actors}
+    """The hand-out loop of replica_batches, on ``actors`` started already (any actor class
+    with ``ready()`` and ``run(texts)``): one batch in flight per actor, which takes the next
+    when it returns, so work spreads over the replicas; the caller owns the actors."""
+    # No retries of ready(): it fails only when the constructor raised, and would again.
+    starting = {actor.ready.options(max_task_retries=0).remote(): actor for actor in actors}
     idle: deque[Any] = deque()
     pending = deque(enumerate(batches))
     running: dict[Any, tuple[Any, int]] = {}  # task -> (actor, batch index)
@@ -90,7 +100,7 @@ def _run(
                 index, texts = pending.popleft()
                 running[actor.run.remote(texts)] = (actor, index)
         if not starting and not running:  # every replica failed to start
-            raise RuntimeError(f"no replica could start: {start_error}") from start_error
+            raise ReplicaStartError(f"no replica could start: {failure_reason(start_error)}") from start_error
         ready, _ = ray.wait(list(starting) + list(running), num_returns=1, timeout=POLL_S)
         for ref in ready:
             if ref in starting:
@@ -99,14 +109,15 @@ def _run(
                     logger.info("replica %s is up", ray.get(ref))
                     idle.append(actor)
                 except Exception as e:  # noqa: BLE001 - its constructor failed: the others go on
-                    logger.warning("a replica failed to start: %s", e)
                     start_error = e
+                    if starting or running or idle:  # else the error below says it
+                        logger.warning("a replica failed to start: %s", failure_reason(e))
                 continue
             actor, index = running.pop(ref)
             try:
                 result = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - failed every retry: its rows become error rows
-                logger.warning("a batch of %d rows failed on every retry: %s", len(batches[index]), e)
+                logger.warning("a batch of %d rows failed on every retry: %s", len(batches[index]), failure_reason(e))
                 result = None
             idle.append(actor)
             if not ordered:
@@ -116,3 +127,20 @@ def _run(
             while next_out in done:
                 yield done.pop(next_out)
                 next_out += 1
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def failure_reason(e: BaseException | None) -> str:
+    """One line for a Ray error: the exception a task raised, or the last line of the
+    traceback Ray sends for a constructor that raised (its error text is the whole remote
+    traceback, colour codes included)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):  # RayTaskError: the task's own exception
+        return f"{type(cause).__name__}: {cause}"
+    text = _ANSI.sub("", str(getattr(e, "error_msg", None) or e))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if getattr(e, "actor_init_failed", False) and lines:
+        return f"its constructor raised {lines[-1]}"
+    return lines[0] if lines else type(e).__name__
