@@ -188,6 +188,22 @@ def test_ray_flags_need_ray_and_a_missing_ray_fails_at_once(tmp_path, capsys, mo
         extract(src, out)
 
 
+def test_ray_options_refuse_bad_values_and_plan_a_batch_for_every_replica() -> None:
+    from constrained_serve.ray.pipeline import RayOptions, plan_pool
+
+    for bad in ({"replicas": 0}, {"batch_size": 0}, {"max_batch_retries": -1}, {"replica_start_timeout_s": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RayOptions(**bad)
+    # 36 rows on 2 CPU replicas of a 2-CPU cluster: 2 batches of 18, one core each, all fit.
+    plan = plan_pool({"CPU": 2.0}, RayOptions(replicas=2), 36)
+    assert (plan.replicas, plan.batch_size, plan.num_cpus, plan.threads, plan.all_fit) == (2, 18, 1.0, 1, True)
+    # 3 replicas on 2 CPUs do not fit: batches go out as replicas start.
+    assert not plan_pool({"CPU": 2.0}, RayOptions(replicas=3), 36).all_fit
+    # GPUs: one replica per GPU by default, 1 CPU each.
+    gpu = plan_pool({"CPU": 16.0, "GPU": 4.0}, RayOptions(), 1000)
+    assert (gpu.replicas, gpu.num_gpus, gpu.num_cpus, gpu.threads, gpu.batch_size) == (4, 1.0, 1.0, None, 250)
+
+
 def test_replicas_of_a_cluster_started_here_run_at_the_drivers_priority(cluster) -> None:
     """Not Ray's nice 15, at which any other busy process on the machine starves them."""
 

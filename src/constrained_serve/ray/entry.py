@@ -45,6 +45,7 @@ def extract(
     batch_size: int | None = None,
     ordered: bool = True,
     max_batch_retries: int = 3,
+    replica_start_timeout_s: float = 1800.0,
 ) -> RayJobStats | Any:
     """Run the extraction over ``source`` (a JSONL path or a Ray Dataset of records) on Ray.
 
@@ -53,6 +54,8 @@ def extract(
     rows. ``schema`` / ``regex`` / ``grammar``: the output constraint, as for
     ``Engine.generate`` (none: any JSON object). ``params``: SamplingParams (default:
     greedy, 256 tokens). ``engine_kwargs``: more Engine arguments (dtype, max_num_seqs, ...).
+    ``replica_start_timeout_s``: how long the first batch waits for every replica to load its
+    model (when they all fit the cluster); after it, batches go to the replicas that are up.
     """
     ray = require_ray()
     from ..params import SamplingParams
@@ -73,6 +76,7 @@ def extract(
         batch_size=batch_size,
         ordered=ordered,
         max_batch_retries=max_batch_retries,
+        replica_start_timeout_s=replica_start_timeout_s,
     )
     is_path = isinstance(source, (str, os.PathLike))
     if output is None:

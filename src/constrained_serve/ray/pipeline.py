@@ -87,6 +87,8 @@ class RayOptions:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.max_batch_retries < 0 or self.concurrent_batches < 1:
             raise ValueError("max_batch_retries must be >= 0 and concurrent_batches >= 1")
+        if not self.replica_start_timeout_s >= 0:
+            raise ValueError(f"replica_start_timeout_s must be >= 0, got {self.replica_start_timeout_s}")
 
 
 @dataclass(frozen=True)
