@@ -216,16 +216,15 @@ class _Job:
         try:
             run_job(self.items(source), write, config, options, stats=self.stats, on_row=self.on_row, activity=activity)
             compiling.result()  # also when no row was left to run
-        except ReplicaStartError as e:  # the model does not load there: nothing ran
+        # RaySetupError: found, answering, yet refused (auth); ReplicaStartError: the model
+        # does not load in any replica. Nothing ran: set-up errors, as locally.
+        except (RaySetupError, ReplicaStartError, SetupError) as e:
             if self.stats.rows:
                 raise
             self.setup_failed()
-            raise SetupError(str(e)) from None
-        except (RaySetupError, SetupError) as e:  # RaySetupError: found, answering, yet refused (auth)
-            if self.stats.rows:
-                raise
-            self.setup_failed()
-            raise e if isinstance(e, SetupError) else SetupError(_address_problem(args, e)) from None
+            if not isinstance(e, SetupError):
+                e = SetupError(_address_problem(args, e) if isinstance(e, RaySetupError) else str(e))
+            raise e from None
 
 
 def _in_thread(fn: Any, *args: Any) -> Any:
