@@ -227,11 +227,11 @@ def run_job(
     """
     stats = stats or RayJobStats()
     waiting: dict[str, InputItem] = {}
-    records = []
+    texts = []  # each item as the JSON text a replica reads (item_record)
     for seq, item in enumerate(items):
         waiting[item.key] = item
-        records.append(item_record(item, seq))
-    if not records:
+        texts.append(item_record(item, seq)["item"])
+    if not texts:
         return stats
 
     def emit(row: dict[str, Any], replica: str, started: float, finished: float) -> None:
@@ -241,10 +241,10 @@ def run_job(
             on_row(row, stats)
 
     with ray_session(options.address, options.log_to_driver) as ray:
-        plan = plan_pool(ray.cluster_resources(), options, len(records))
+        plan = plan_pool(ray.cluster_resources(), options, len(texts))
         logger.info(
             "ray: %d rows, %d replicas (%s each), batches of %d",
-            len(records),
+            len(texts),
             plan.replicas,
             f"{plan.num_gpus:g} GPU" if plan.num_gpus else f"{plan.num_cpus:g} CPU",
             plan.batch_size,
@@ -252,8 +252,6 @@ def run_job(
         with job_board(ray, activity) as board:  # None without a progress line
             if board is not None:
                 config = replace(config, progress_board=board)
-            texts = [r["item"] for r in records]
-            del records
             batches = [texts[i : i + plan.batch_size] for i in range(0, len(texts), plan.batch_size)]
             for batch in replica_batches(
                 ray, batches, replica_config(config, plan), pool_shape(plan, options), options.ordered
