@@ -69,14 +69,22 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits
 
 
-def _exponential_noise(seeds: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """Per-row Exp(1) noise from per-row generators (reproducible, batch independent)."""
-    noise = torch.empty(len(seeds), vocab, device=device)
-    for r, s in enumerate(seeds):
-        g = torch.Generator(device=device)
-        g.manual_seed(s & 0x7FFF_FFFF_FFFF_FFFF)
-        noise[r].exponential_(generator=g)
-    # Exp(1) can come out as exactly 0; p / 0 would then pick even a zero-probability token.
+def _exponential_noise(seeds: list[int], sampled: list[bool], vocab: int, device: torch.device) -> torch.Tensor:
+    """Per-row Exp(1) noise from per-row generators (reproducible, batch independent), for the
+    rows that sample; a greedy row (``sampled`` False) gets ones, its draw being unused.
+
+    Exp(1) as -log(U), U ~ Uniform[0, 1) from ``uniform_``: on CPU torch's ``exponential_``
+    with a generator runs element by element, 1.2 ms a row of a 49k vocabulary on one thread
+    (39 ms a step for 32 sampled rows, a fifth of a step of the default model), where
+    ``uniform_`` and a vectorized log take 0.27 ms. U = 0 gives +inf noise: that token's
+    p / E is 0, it is not drawn (probability 2^-24 a token, as a float32 uniform allows)."""
+    noise = torch.ones(len(seeds), vocab, device=device)
+    for r, (s, draw) in enumerate(zip(seeds, sampled)):
+        if draw:
+            g = torch.Generator(device=device)
+            g.manual_seed(s & 0x7FFF_FFFF_FFFF_FFFF)
+            noise[r].uniform_(generator=g).log_().neg_()
+    # U < 1, so the noise is > 0: p / 0 would pick even a zero-probability token. Kept as a guard.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
@@ -147,7 +155,7 @@ def sample_torch(
     if (min_p > 0).any():
         thresh = probs.max(dim=-1, keepdim=True).values * min_p.float()[:, None]
         probs = probs.masked_fill(probs < thresh, 0.0)
-    noise = _exponential_noise(seeds.tolist(), V, probs.device)
+    noise = _exponential_noise(seeds.tolist(), (temperature > 0).tolist(), V, probs.device)
     sampled = row_argmax(probs / noise)
     return torch.where(temperature == 0, greedy_tokens, sampled)
 
