@@ -24,6 +24,7 @@ the (a)/(b) output-tokens/s ratio that would follow if the prefill-heavy steps r
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,31 @@ from constrained_serve.models import llama  # noqa: E402
 PREFILL_HEAVY = 256  # a step with more new tokens than this counts as prefill-heavy
 
 
+def snapshot(inputs):
+    """A copy of a step's forward inputs that later steps cannot change: the runner stages
+    them in buffers it reuses (runtime/input_staging.py), so a kept reference would replay
+    whatever a later step wrote there (positions past the rotary table, other rows)."""
+    m = inputs.meta
+    meta = dataclasses.replace(
+        m,
+        query_start_loc=m.query_start_loc.clone(),
+        seq_lens=m.seq_lens.clone(),
+        block_tables=m.block_tables.clone(),
+        slot_mapping=m.slot_mapping.clone(),
+        query_lens_host=list(m.query_lens_host),
+        seq_lens_host=list(m.seq_lens_host),
+        plan_cache={},
+    )
+    return dataclasses.replace(
+        inputs,
+        input_ids=inputs.input_ids.clone(),
+        positions=inputs.positions.clone(),
+        logits_indices=inputs.logits_indices.clone(),
+        meta=meta,
+        prompt_rows=[],
+    )
+
+
 def record(engine: Engine, convs, constrained: bool) -> tuple[float, int, list[tuple[object, float]]]:
     """One run of structured.py's (a) or (b); returns wall time, output tokens and
     (forward inputs, step seconds) per step."""
@@ -49,7 +75,7 @@ def record(engine: Engine, convs, constrained: bool) -> tuple[float, int, list[t
     last = {}
 
     def recording_forward(inputs):
-        last["inputs"] = inputs
+        last["inputs"] = snapshot(inputs)
         return forward(inputs)
 
     def timed_step():
