@@ -12,11 +12,12 @@ setup: $(STAMP)
 # torch first: on a machine whose python already has a CUDA torch, the venv sees it
 # (--system-site-packages) and we keep it; otherwise install the CPU build torch==2.13.0,
 # before anything that depends on torch (xgrammar would otherwise pull CUDA wheels).
-# The rest: uv where it can (it resolves and fetches in parallel: about 25 s against pip's 80 on
-# a 2-core machine, bytecode compiled as pip does: without it every process of the tests compiles
-# what it imports, transformers alone 1 s, where PYTHONDONTWRITEBYTECODE is set), pip where it cannot. pip takes torch (uv does not read pip's find-links,
-# where a local torch wheel may lie) and the CUDA case (uv ignores the system site-packages,
-# so it would install a second torch over the user's).
+# The rest: uv where it can, pip where it cannot. uv resolves and fetches in parallel: about 25 s
+# against pip's 80 on a 2-core machine. It compiles bytecode as pip does (--compile-bytecode):
+# where PYTHONDONTWRITEBYTECODE is set, every test process would otherwise compile what it
+# imports (transformers alone 1 s). pip takes torch (uv does not read pip's find-links, where a
+# local torch wheel may lie), the CUDA case (uv ignores the system site-packages, so it would
+# install a second torch over the user's), and a uv that fails.
 UV_VERSION := 0.13.10
 $(STAMP): pyproject.toml constraints.txt
 	@if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
