@@ -78,12 +78,14 @@ def _exponential_noise(seeds: list[int], sampled: list[bool], vocab: int, device
     (39 ms a step for 32 sampled rows, a fifth of a step of the default model), where
     ``uniform_`` and a vectorized log take 0.27 ms. U = 0 gives +inf noise: that token's
     p / E is 0, it is not drawn (probability 2^-24 a token, as a float32 uniform allows)."""
-    noise = torch.ones(len(seeds), vocab, device=device)
+    noise = torch.empty(len(seeds), vocab, device=device)
     for r, (s, draw) in enumerate(zip(seeds, sampled)):
         if draw:
             g = torch.Generator(device=device)
             g.manual_seed(s & 0x7FFF_FFFF_FFFF_FFFF)
             noise[r].uniform_(generator=g).log_().neg_()
+        else:
+            noise[r].fill_(1.0)
     # U < 1, so the noise is > 0: p / 0 would pick even a zero-probability token. Kept as a guard.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
