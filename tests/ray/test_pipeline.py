@@ -396,12 +396,14 @@ def test_the_replica_loop_orders_batches_survives_failures_and_gates_on_every_re
         assert sorted(str(r and r["texts"][-1]) for r in unordered) == ["None", "a", "b", "c"]
         # One replica cannot start: the other runs every batch.
         broken = [stub.remote(fail=True), stub.remote()]
+        actors += broken
         one = list(run_batches(ray, broken, batches[:2] + batches[3:], shape, ordered=True))
         assert len({r["pid"] for r in one}) == 1 and [r["texts"][-1] for r in one] == ["a", "b", "c"]
         with pytest.raises(
             ReplicaStartError, match="^no replica could start: its constructor raised RuntimeError: no model here$"
         ):
-            list(run_batches(ray, [stub.remote(fail=True)], batches, shape, ordered=True))
+            actors.append(stub.remote(fail=True))
+            list(run_batches(ray, actors[-1:], batches, shape, ordered=True))
     finally:
         for actor in actors:
             ray.kill(actor)

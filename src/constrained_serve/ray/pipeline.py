@@ -46,7 +46,7 @@ from typing import Any
 
 from ..extract.inputs import InputItem
 from .progress_board import BoardActivity, job_board
-from .replica import FINISHED, KEY, REPLICA, ROW, STARTED, ExtractReplica, ReplicaConfig, item_record
+from .replica import FINISHED, KEY, REPLICA, ROW, STARTED, ExtractReplica, ReplicaConfig, item_text
 from .replica_pool import PoolShape, replica_batches
 from .session import ray_session
 from .stats import RayJobStats
@@ -227,10 +227,10 @@ def run_job(
     """
     stats = stats or RayJobStats()
     waiting: dict[str, InputItem] = {}
-    texts = []  # each item as the JSON text a replica reads (item_record)
-    for seq, item in enumerate(items):
+    texts = []  # each item as the JSON text a replica reads
+    for item in items:
         waiting[item.key] = item
-        texts.append(item_record(item, seq)["item"])
+        texts.append(item_text(item))
     if not texts:
         return stats
 

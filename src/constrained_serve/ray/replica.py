@@ -7,8 +7,8 @@ and calls it once per batch. A batch is a slice of the job's items in input orde
 replica runs it through the same ``run_extract`` loop as the local CLI, so a row written
 from Ray is the row the local job writes for the same line.
 
-Items travel as JSON text columns (``item_record`` / ``record_item``): rows of different
-shapes (a prompt, an early error) in one Arrow column would not have one schema.
+Items travel as JSON text (``item_text`` / ``record_item``, in ``item_record`` columns): rows
+of different shapes (a prompt, an early error) in one Arrow column would not have one schema.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ KEY, ROW, OK, REPLICA, STARTED, FINISHED = "key", "row", "ok", "replica", "start
 OUTPUT_COLUMNS = (KEY, ROW, OK, REPLICA, STARTED, FINISHED)
 
 
-def item_record(item: InputItem, seq: int) -> dict[str, Any]:
-    """An item as a Dataset row: its resume key (the driver matches rows to inputs by it),
-    its position in this run's input, and the item itself as JSON text."""
+def item_text(item: InputItem) -> str:
+    """An item as the JSON text a replica reads (``record_item`` reads it back)."""
     payload = {
         "line": item.line_no,
         "id": item.id,
@@ -44,7 +43,13 @@ def item_record(item: InputItem, seq: int) -> dict[str, Any]:
         "messages": item.messages,
         "error": item.error,
     }
-    return {"seq": seq, KEY: item.key, "item": json.dumps(payload, ensure_ascii=False)}
+    return json.dumps(payload, ensure_ascii=False)
+
+
+def item_record(item: InputItem, seq: int) -> dict[str, Any]:
+    """An item as a Dataset row: its resume key (the driver matches rows to inputs by it),
+    its position in this run's input, and the item itself as JSON text."""
+    return {"seq": seq, KEY: item.key, "item": item_text(item)}
 
 
 def record_item(text: str) -> InputItem:
@@ -112,7 +117,7 @@ class ExtractReplica:
         return self.name
 
     def run(self, texts: list[str]) -> dict[str, list[Any]]:
-        """A batch of ``item_record`` texts, as a Ray actor method (replica_pool.py)."""
+        """A batch of ``item_text`` texts, as a Ray actor method (replica_pool.py)."""
         return self({"item": texts})
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list[Any]]:

@@ -57,7 +57,7 @@ class PoolShape:
 def replica_batches(
     ray: Any, batches: list[list[str]], config: ReplicaConfig, shape: PoolShape, ordered: bool = True
 ) -> Iterator[dict[str, list[Any]] | None]:
-    """Run every batch (a list of ``item_record`` texts) on a replica; yield what the replica
+    """Run every batch (a list of ``item_text`` texts) on a replica; yield what the replica
     returned (``replica.OUTPUT_COLUMNS``), or None for a batch that failed every retry. The
     actors are killed when the generator ends (done, Ctrl-C, an error, or closed early)."""
     resources = {"num_gpus": shape.num_gpus} if shape.num_gpus else {}
